@@ -1,0 +1,71 @@
+#pragma once
+/// @file kernels.hpp
+/// The compiled CPU kernels (kvcache::cpu) behind every cache and attend(): FP16 and Q4 codecs
+/// and the inner products of decode attention. One implementation table per ISA; `active()`
+/// returns the one in use. All pointers may be unaligned; counts may be any size (ragged tails).
+
+#include <kvcache/format.hpp>
+#include <kvcache/half.hpp>
+#include <kvcache/isa.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::kernels {
+
+/// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
+struct table {
+  isa which;
+
+  /// dst[i] = to_half(src[i]), i < n.
+  void (*f32_to_f16)(const float* src, half* dst, std::size_t n);
+  /// dst[i] = to_float(src[i]), i < n.
+  void (*f16_to_f32)(const half* src, float* dst, std::size_t n);
+
+  /// Quantizes one key group of one head: `tokens` (1..32) rows, row t at src + t * src_stride,
+  /// each of head_dim values. Writes dst[head_dim]: block d = channel d over the tokens (codes of
+  /// missing tokens are 0). // src [token][head_dim] -> dst [channel]{32 tokens}
+  void (*quantize_keys)(const half* src, std::size_t src_stride, std::uint32_t tokens,
+                        std::uint32_t head_dim, q4_block* dst);
+  /// Inverse of quantize_keys: dst row t at dst + t * dst_stride, t < tokens.
+  void (*dequantize_keys)(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim,
+                          float* dst, std::size_t dst_stride);
+  /// Quantizes `tokens` value rows of one head, each row per token in groups of 32 channels:
+  /// dst[t * q4_value_blocks(head_dim) + g]. // src [token][head_dim] -> dst [token][group]
+  void (*quantize_values)(const half* src, std::size_t src_stride, std::uint32_t tokens,
+                          std::uint32_t head_dim, q4_block* dst);
+  /// Inverse of quantize_values.
+  void (*dequantize_values)(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim,
+                            float* dst, std::size_t dst_stride);
+
+  /// Attention scores of nq queries against `tokens` dense keys of one head:
+  /// out[i * out_stride + t] = dot(q[i * head_dim ..], k[t * head_dim ..]).
+  /// // q [nq][head_dim] f32, k [tokens][head_dim], out [nq][out_stride]
+  void (*scores_f16)(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
+                     std::uint32_t head_dim, float* out, std::size_t out_stride);
+  void (*scores_f32)(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
+                     std::uint32_t head_dim, float* out, std::size_t out_stride);
+  /// Scores against one Q4 key group (k = q4_block[head_dim], tokens <= 32), reading codes in
+  /// place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt + sum_d q_d m_d.
+  void (*scores_q4)(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+                    std::uint32_t head_dim, float* out, std::size_t out_stride);
+
+  /// Weighted accumulation: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v[t][d].
+  /// // p [nq][p_stride], v [tokens][head_dim], acc [nq][head_dim]
+  void (*accumulate_f16)(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
+                         std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+  void (*accumulate_f32)(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
+                         std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+  /// Same over Q4 values (v = q4_block[tokens][q4_value_blocks(head_dim)]), read in place:
+  /// per block, acc += (p * scale) * code + p * min.
+  void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
+                        std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+};
+
+/// The table of the active ISA (see isa.hpp).
+[[nodiscard]] const table& active() noexcept;
+
+/// The table of a specific ISA, or nullptr if not compiled in or not supported by this CPU.
+[[nodiscard]] const table* find(isa i) noexcept;
+
+}  // namespace kvcache::kernels

@@ -1,0 +1,14 @@
+#pragma once
+/// @file kvcache.hpp
+/// Umbrella header: the whole public CPU API of kvcache.
+
+#include <kvcache/cache.hpp>
+#include <kvcache/config.hpp>
+#include <kvcache/error.hpp>
+#include <kvcache/format.hpp>
+#include <kvcache/geometry.hpp>
+#include <kvcache/half.hpp>
+#include <kvcache/isa.hpp>
+#include <kvcache/kernels.hpp>
+#include <kvcache/placement.hpp>
+#include <kvcache/view.hpp>

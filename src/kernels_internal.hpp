@@ -1,0 +1,31 @@
+#pragma once
+// Internal to src/: declarations of the per-ISA tables and small helpers shared by kernels.
+// ISA translation units are compiled with their own -m flags: they must not define or instantiate
+// non-static inline functions shared with other translation units (ODR: the linker could keep an
+// AVX-512 copy for everyone). Keep their code in their own namespace, internal linkage.
+#include <kvcache/kernels.hpp>
+
+namespace kvcache::kernels {
+
+/// Smallest FP16 value >= v for v >= 0 (the Q4 scale is rounded up so the group range is covered).
+[[nodiscard]] constexpr half scale_round_up(float v) noexcept {
+  half h = to_half(v);
+  if (to_float(h) < v) h.bits = static_cast<std::uint16_t>(h.bits + 1);
+  return h;
+}
+
+[[nodiscard]] constexpr float load(float x) noexcept { return x; }
+[[nodiscard]] constexpr float load(half x) noexcept { return to_float(x); }
+
+namespace scalar { const table& get() noexcept; }
+#if defined(KVCACHE_HAVE_AVX2)
+namespace avx2 { const table& get() noexcept; }
+#endif
+#if defined(KVCACHE_HAVE_AVX512)
+namespace avx512 { const table& get() noexcept; }
+#endif
+#if defined(KVCACHE_HAVE_NEON)
+namespace neon { const table& get() noexcept; }
+#endif
+
+}  // namespace kvcache::kernels
