@@ -27,8 +27,9 @@ struct geometry {
 };
 
 /// Identifies one sequence inside one cache. Strong type: never confused with a layer or a count.
+/// Opaque: caches encode a slot and a generation so that a released id is never valid again.
 struct seq_id {
-  std::uint32_t value = 0;
+  std::uint64_t value = 0;
   friend constexpr auto operator<=>(seq_id, seq_id) = default;
 };
 
