@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# All of kvcache's tests, as CI runs them (.ci/run). Installs missing Debian packages first, then
+# runs these stages, each in its own build directory under build/:
+#   gcc      g++ 12, Release, -Werror, CUDA backend too when nvcc is found; everything; ctest
+#   clang    clang 14, Release, -Werror, no CUDA; everything; ctest
+#   asan     AddressSanitizer + UndefinedBehaviorSanitizer, -O1 -g with asserts on, no CUDA/bench; ctest
+#   tsan     ThreadSanitizer build of the tests whose name contains "threads"; ctest -R threads
+#   aarch64  cross build for aarch64 and run under qemu (scripts/cross_aarch64.sh)
+# Any failure fails the script; a summary of stage times and test counts is printed at the end.
+#
+# Environment:
+#   KVCACHE_STAGES="gcc asan"  run only these stages (default: gcc clang asan tsan aarch64)
+#   KVCACHE_JOBS=N             parallel build and test jobs (default 2)
+#   KVCACHE_SKIP_DEPS=1        do not run scripts/install_deps.sh
+#   KVCACHE_CLEAN=1            delete each stage's build directory before building
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+stages="${KVCACHE_STAGES:-gcc clang asan tsan aarch64}"
+jobs="${KVCACHE_JOBS:-2}"
+export CMAKE_BUILD_PARALLEL_LEVEL="$jobs"
+export CTEST_PARALLEL_LEVEL="$jobs"
+export CTEST_OUTPUT_ON_FAILURE=1
+
+for s in $stages; do
+  case "$s" in
+    gcc | clang | asan | tsan | aarch64) ;;
+    *) echo "test.sh: unknown stage '$s' (known: gcc clang asan tsan aarch64)" >&2; exit 2 ;;
+  esac
+done
+
+banner() {
+  echo
+  echo "=================================================================================="
+  echo "== $*"
+  echo "=================================================================================="
+}
+
+summary=()
+current_stage=""
+stage_start=0
+script_start=$SECONDS
+
+print_summary() {
+  local status=$1
+  banner "summary: stage times ($(nproc) cores, -j$jobs)"
+  local line
+  for line in "${summary[@]}"; do echo "$line"; done
+  if [[ $status -ne 0 && -n "$current_stage" ]]; then
+    printf '%-8s FAILED after %ds\n' "$current_stage" $((SECONDS - stage_start))
+  fi
+  printf 'total    %ds\n' $((SECONDS - script_start))
+  if [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"; else echo "test.sh: FAILED"; fi
+}
+trap 'print_summary $?' EXIT
+
+if [[ "${KVCACHE_SKIP_DEPS:-0}" != 1 ]]; then
+  banner "dependencies (scripts/install_deps.sh)"
+  "$repo/scripts/install_deps.sh"
+fi
+
+generator=()
+if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+
+# nvcc on PATH, else the CUDA Toolkit's default location.
+nvcc_path=""
+if command -v nvcc >/dev/null 2>&1; then
+  nvcc_path="$(command -v nvcc)"
+elif [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  nvcc_path=/usr/local/cuda/bin/nvcc
+fi
+
+pick() {  # first of the given commands that exists
+  local c
+  for c in "$@"; do
+    if command -v "$c" >/dev/null 2>&1; then echo "$c"; return; fi
+  done
+  echo "$1"
+}
+gxx="$(pick g++-12 g++)"
+clangxx="$(pick clang++-14 clang++)"
+
+tests_line=""
+# run_ctest <build dir> [ctest args...]: runs ctest, echoes everything, keeps the summary line.
+run_ctest() {
+  local dir=$1
+  shift
+  local log="$dir/ctest.log"
+  local rc=0
+  (cd "$dir" && ctest --output-on-failure -j "$jobs" "$@") 2>&1 | tee "$log" || rc=$?
+  tests_line="$(grep -E 'tests passed|No tests were found' "$log" | tail -1 || true)"
+  return "$rc"
+}
+
+# configure_build <stage> <extra cmake args...>: fresh or incremental configure, then build all.
+configure_build() {
+  local dir="build/$1"
+  shift
+  if [[ "${KVCACHE_CLEAN:-0}" == 1 ]]; then rm -rf "$dir"; fi
+  cmake -S . -B "$dir" "${generator[@]}" "$@"
+  cmake --build "$dir" -j "$jobs"
+}
+
+stage_begin() {
+  current_stage=$1
+  stage_start=$SECONDS
+  tests_line=""
+  banner "stage $1: $2"
+}
+stage_end() {
+  summary+=("$(printf '%-8s passed in %4ds   %s' "$current_stage" $((SECONDS - stage_start)) "${1:-$tests_line}")")
+  current_stage=""
+}
+
+for stage in $stages; do
+  case "$stage" in
+    gcc)
+      cuda_args=(-DKVCACHE_CUDA=OFF)
+      cuda_note="CUDA off (no nvcc)"
+      if [[ -n "$nvcc_path" ]]; then
+        cuda_args=(-DKVCACHE_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc_path" "-DCMAKE_CUDA_HOST_COMPILER=$(command -v "$gxx")")
+        cuda_note="CUDA on ($nvcc_path)"
+      fi
+      stage_begin gcc "$("$gxx" --version | head -1), Release, -Werror, $cuda_note"
+      configure_build gcc -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=ON \
+        "${cuda_args[@]}"
+      run_ctest build/gcc
+      stage_end
+      ;;
+    clang)
+      stage_begin clang "$("$clangxx" --version | head -1), Release, -Werror, CUDA off"
+      configure_build clang -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=$clangxx" -DKVCACHE_WERROR=ON \
+        -DKVCACHE_CUDA=OFF
+      run_ctest build/clang
+      stage_end
+      ;;
+    asan)
+      stage_begin asan "$gxx, -fsanitize=address,undefined, -O1 -g with asserts, CUDA and bench off"
+      # RelWithDebInfo without -DNDEBUG: internal asserts stay on.
+      configure_build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
+        "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF \
+        -DKVCACHE_SANITIZE=address,undefined
+      ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
+      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        run_ctest build/asan
+      stage_end
+      ;;
+    tsan)
+      stage_begin tsan "$gxx, -fsanitize=thread, tests whose name contains 'threads'"
+      dir=build/tsan
+      if [[ "${KVCACHE_CLEAN:-0}" == 1 ]]; then rm -rf "$dir"; fi
+      cmake -S . -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=ON \
+        -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_SANITIZE=thread
+      # Test names are their target names (tests/test_<name>.cpp -> test_<name>).
+      mapfile -t tsan_tests < <(cd "$dir" && ctest -N -R threads | sed -n 's/^ *Test *#[0-9]*: *//p')
+      if [[ ${#tsan_tests[@]} -eq 0 ]]; then
+        echo "tsan: no test whose name contains 'threads' exists yet: nothing to run"
+        stage_end "no 'threads' tests yet (skipped)"
+      else
+        echo "tsan: building ${tsan_tests[*]}"
+        cmake --build "$dir" -j "$jobs" --target "${tsan_tests[@]}"
+        TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" run_ctest "$dir" -R threads
+        stage_end
+      fi
+      ;;
+    aarch64)
+      stage_begin aarch64 "cross build for aarch64, tests under qemu (scripts/cross_aarch64.sh)"
+      if [[ -x scripts/cross_aarch64.sh ]]; then
+        mkdir -p build
+        rc=0
+        scripts/cross_aarch64.sh 2>&1 | tee build/aarch64.log || rc=$?
+        if [[ $rc -ne 0 ]]; then exit "$rc"; fi
+        stage_end "$(grep -E 'tests passed' build/aarch64.log | tail -1 || true)"
+      else
+        echo "aarch64: scripts/cross_aarch64.sh does not exist yet: skipped"
+        stage_end "skipped (no scripts/cross_aarch64.sh)"
+      fi
+      ;;
+  esac
+done
