@@ -49,9 +49,9 @@ print_summary() {
   local line
   for line in "${summary[@]}"; do echo "$line"; done
   if [[ $status -ne 0 && -n "$current_stage" ]]; then
-    printf '%-8s FAILED after %ds\n' "$current_stage" $((SECONDS - stage_start))
+    printf '%-8s %-7s %5ds   %s\n' "$current_stage" FAILED $((SECONDS - stage_start)) "$tests_line"
   fi
-  printf 'total    %ds\n' $((SECONDS - script_start))
+  printf '%-8s %-7s %5ds\n' total "" $((SECONDS - script_start))
   if [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"; else echo "test.sh: FAILED"; fi
 }
 trap 'print_summary $?' EXIT
@@ -109,8 +109,8 @@ stage_begin() {
   tests_line=""
   banner "stage $1: $2"
 }
-stage_end() {
-  summary+=("$(printf '%-8s passed in %4ds   %s' "$current_stage" $((SECONDS - stage_start)) "${1:-$tests_line}")")
+stage_end() {  # stage_end [status] [note]: status passed (default) or skipped; note defaults to ctest's line
+  summary+=("$(printf '%-8s %-7s %5ds   %s' "$current_stage" "${1:-passed}" $((SECONDS - stage_start)) "${2:-$tests_line}")")
   current_stage=""
 }
 
@@ -158,7 +158,7 @@ for stage in $stages; do
       mapfile -t tsan_tests < <(cd "$dir" && ctest -N -R threads | sed -n 's/^ *Test *#[0-9]*: *//p')
       if [[ ${#tsan_tests[@]} -eq 0 ]]; then
         echo "tsan: no test whose name contains 'threads' exists yet: nothing to run"
-        stage_end "no 'threads' tests yet (skipped)"
+        stage_end skipped "no test named *threads* yet"
       else
         echo "tsan: building ${tsan_tests[*]}"
         cmake --build "$dir" -j "$jobs" --target "${tsan_tests[@]}"
@@ -173,10 +173,10 @@ for stage in $stages; do
         rc=0
         scripts/cross_aarch64.sh 2>&1 | tee build/aarch64.log || rc=$?
         if [[ $rc -ne 0 ]]; then exit "$rc"; fi
-        stage_end "$(grep -E 'tests passed' build/aarch64.log | tail -1 || true)"
+        stage_end passed "$(grep -E 'tests passed' build/aarch64.log | tail -1 || true)"
       else
         echo "aarch64: scripts/cross_aarch64.sh does not exist yet: skipped"
-        stage_end "skipped (no scripts/cross_aarch64.sh)"
+        stage_end skipped "no scripts/cross_aarch64.sh yet"
       fi
       ;;
   esac
