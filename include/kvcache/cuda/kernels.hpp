@@ -1,0 +1,143 @@
+#pragma once
+/// @file cuda/kernels.hpp
+/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md). The CUDA kernels behind
+/// contiguous_cache<cuda>, paged_cache<cuda> and two_tier_cache<cuda>, callable directly by an
+/// engine that keeps its own tables. Each launcher validates its parameters on the host (typed
+/// error, nothing enqueued), then enqueues one or two kernels on `where.stream` and returns without
+/// waiting. Kernels never fail; asynchronous faults surface at the next cuda_synchronize().
+///
+/// Every cache's storage is described the same way, as pages (FlashInfer's paged layout): a
+/// sequence is an ordered list of pages of `page_tokens` tokens, given by a CSR table whose arrays
+/// live in device memory. A contiguous cache is the special case of one page per sequence of
+/// `page_tokens = max_tokens`; a two-tier cache has a Q4 segment (pages of 32 tokens) followed by
+/// an FP16 tail segment. Because kernels read lengths and tables from device memory, a decode step
+/// captured once in a CUDA graph stays valid while sequences grow, as long as the tables are
+/// updated in place (same device addresses) between replays.
+
+#include <kvcache/error.hpp>
+#include <kvcache/format.hpp>
+#include <kvcache/placement.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvcache {
+
+/// Where one layer's K/V pages live in device memory. Trivially copyable; passed to kernels by value.
+/// Page p of kv head h: keys at k + p * k_page_stride + h * k_head_stride, laid out as
+/// - f32 / f16: [token][head_dim] dense elements (token < page_tokens);
+/// - q4 (page_tokens must be 32): q4_block[head_dim], block d = channel d over the page's tokens.
+/// Values likewise at v + p * v_page_stride + h * v_head_stride; q4 values are
+/// q4_block[token][q4_value_blocks(head_dim)].
+struct device_pages {
+  void* k = nullptr;
+  void* v = nullptr;
+  std::uint64_t k_page_stride = 0;  ///< bytes between consecutive pages of k
+  std::uint64_t v_page_stride = 0;  ///< bytes between consecutive pages of v
+  std::uint64_t k_head_stride = 0;  ///< bytes between kv heads inside a page of k
+  std::uint64_t v_head_stride = 0;  ///< bytes between kv heads inside a page of v
+  std::uint32_t page_tokens = 0;    ///< tokens per page (> 0)
+  format k_format = format::f16;
+  format v_format = format::f16;
+};
+static_assert(std::is_trivially_copyable_v<device_pages>);
+
+/// A batch of sequences' page lists in CSR form; every pointer is device memory.
+/// Sequence b owns pages indices[indptr[b] .. indptr[b+1]); its last page holds last_page_len[b]
+/// tokens (1..page_tokens), every other page is full. A sequence with no page has 0 tokens.
+struct device_table {
+  const std::uint32_t* indptr = nullptr;         ///< [batch + 1]
+  const std::uint32_t* indices = nullptr;        ///< [indptr[batch]] page ids
+  const std::uint32_t* last_page_len = nullptr;  ///< [batch]
+  std::uint32_t batch = 0;                       ///< sequences in the batch
+};
+static_assert(std::is_trivially_copyable_v<device_table>);
+
+/// Scatter of new K/V rows into pages (the append of the step protocol), one launch per layer.
+/// The destination table already counts the new tokens (the reservation): the n_b new rows of
+/// sequence b go to its last n_b positions.
+struct append_params {
+  device_pages dst;           ///< f32 or f16 pages of this layer
+  device_table table;         ///< table.batch sequences; ignored when `single` is set
+  const void* k = nullptr;    ///< device [rows][kv_heads][head_dim] in src_format
+  const void* v = nullptr;    ///< device [rows][kv_heads][head_dim] in src_format
+  format src_format = format::f32;  ///< f32 or f16
+  /// Device [table.batch + 1]: the new rows of sequence b are src_indptr[b] .. src_indptr[b+1].
+  const std::uint32_t* src_indptr = nullptr;
+  std::uint32_t max_rows = 0;  ///< grid bound: rows >= src_indptr[batch] are skipped
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  /// Host-side single-sequence form, so a one-sequence write needs no device table: when
+  /// single_pages != nullptr, the batch is one sequence whose page ids are the device array
+  /// single_pages, whose length after the append is single_length tokens, and whose new rows are
+  /// rows 0 .. max_rows - 1.
+  const std::uint32_t* single_pages = nullptr;
+  std::uint32_t single_length = 0;
+};
+
+/// Validates and enqueues the append kernel. errc::invalid_argument for a null pointer, a zero
+/// dimension or a q4 destination; errc::device_error if the launch fails.
+[[nodiscard]] result<void> cuda_append(const cuda& where, const append_params& p);
+
+/// Most channels per head the attention kernel supports.
+inline constexpr std::uint32_t cuda_max_head_dim = 256;
+
+/// Decode attention (one query token per sequence) over one or two page segments, grouped-query
+/// heads, flash-decoding: each (sequence, kv head, split of split_tokens tokens) block writes a
+/// partial softmax state (max, sum, unnormalized output) to the workspace, and a merge kernel
+/// combines the splits of all segments. Q4 pages are read in place (scales folded into the query).
+struct attend_params {
+  device_pages pages[2];      ///< segment s storage; segment 0's tokens come first
+  device_table tables[2];     ///< segment s tables; tables[s].batch must equal `batch`
+  std::uint32_t segments = 1;  ///< 1 or 2
+  std::uint32_t batch = 0;
+  std::uint32_t q_heads = 0;   ///< multiple of kv_heads; q head i uses kv head i / (q_heads / kv_heads)
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;  ///< 1..cuda_max_head_dim
+  const float* q = nullptr;    ///< device [batch][q_heads][head_dim]
+  float* out = nullptr;        ///< device [batch][q_heads][head_dim]; 0 for a sequence with no token
+  float scale = 0.0f;          ///< score scale; 0 means 1 / sqrt(head_dim)
+  std::uint32_t split_tokens = 512;  ///< tokens per split, multiple of 32
+  /// Splits per segment: grid bound, fixed so a captured graph stays valid as sequences grow;
+  /// must cover the longest sequence: max_splits * split_tokens >= tokens of any segment.
+  std::uint32_t max_splits[2] = {1, 1};
+  float* workspace = nullptr;  ///< device, at least cuda_attend_workspace_bytes(*this) bytes
+};
+
+/// Workspace bytes attend needs: batch * q_heads * (max_splits[0] + max_splits[1]) partial states.
+[[nodiscard]] std::size_t cuda_attend_workspace_bytes(const attend_params& p) noexcept;
+
+/// Validates and enqueues the two attention kernels (partial, merge). errc::invalid_argument for
+/// inconsistent shapes, errc::unsupported for head_dim > cuda_max_head_dim or q4 pages whose
+/// page_tokens is not 32; errc::device_error if a launch fails. Tokens past a sequence's table
+/// length are never read.
+[[nodiscard]] result<void> cuda_attend(const cuda& where, const attend_params& p);
+
+/// Most (source, destination) page pairs one migrate launch takes.
+inline constexpr std::uint32_t cuda_max_migrations = 32;
+
+/// Q4 migration: quantizes FP16 pages of up to 32 tokens into Q4 pages (keys per channel over
+/// the tokens, values per token over 32 channels), bit-identical to the scalar CPU reference
+/// (kernels::find(isa::scalar)->quantize_keys / quantize_values). One launch covers `count` page
+/// pairs for `layers` layers: layer l's pages are at src/dst base + l * layer_stride.
+struct migrate_params {
+  device_pages src;            ///< f16 pages
+  device_pages dst;            ///< q4 pages (page_tokens 32)
+  std::uint64_t src_layer_stride_k = 0;  ///< bytes between layers of src.k
+  std::uint64_t src_layer_stride_v = 0;  ///< bytes between layers of src.v
+  std::uint64_t dst_layer_stride_k = 0;  ///< bytes between layers of dst.k
+  std::uint64_t dst_layer_stride_v = 0;  ///< bytes between layers of dst.v
+  std::uint32_t layers = 1;
+  std::uint32_t kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  std::uint32_t count = 0;                          ///< pairs, 1..cuda_max_migrations
+  std::uint32_t tokens = 32;                        ///< tokens per group, 1..32 (the first `tokens` of the src page)
+  std::uint32_t src_page[cuda_max_migrations] = {};  ///< source page ids
+  std::uint32_t dst_page[cuda_max_migrations] = {};  ///< destination page ids
+};
+
+/// Validates and enqueues the migration kernel.
+[[nodiscard]] result<void> cuda_migrate(const cuda& where, const migrate_params& p);
+
+}  // namespace kvcache
