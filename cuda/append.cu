@@ -80,7 +80,7 @@ __device__ void quantize_group(const std::uint16_t* x, std::size_t stride, std::
     mn = f < mn ? f : mn;  // std::min / std::max semantics (signed zeros, NaN) as the reference
     mx = mx < f ? f : mx;
   }
-  const std::uint16_t min_bits = detail::f2h(mn);
+  const std::uint16_t min_bits = detail::f2h(__fadd_rn(mn, 0.0f));  // -0 -> +0, as the reference
   const float minf = detail::h2f(min_bits);
   const float step = __fdiv_rn(__fsub_rn(mx, minf), 15.0f);
   std::uint16_t scale_bits = detail::f2h(step);

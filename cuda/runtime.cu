@@ -12,7 +12,7 @@ result<void> cuda_available(int device) {
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e == cudaErrorNoDevice) {
     (void)cudaGetLastError();
-    return fail(errc::unsupported, "no CUDA device: cudaGetDeviceCount found none");
+    return fail(errc::unsupported, "cudaGetDeviceCount found no CUDA device");
   }
   if (e != cudaSuccess) return detail::cuda_fail(e, "no usable CUDA driver: cudaGetDeviceCount");
   if (device < 0 || device >= count)
