@@ -1,0 +1,377 @@
+// Decode attention over layer views: validation, the online softmax over chunks, and the worker
+// pool. The inner products run through the active kernels table (kernels.hpp).
+#include <kvcache/attend.hpp>
+#include <kvcache/kernels.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace kvcache {
+
+namespace {
+
+constexpr float log2e = 1.4426950408889634f;
+
+// 2^x for x <= 0 (values below -125 give 2^-125, negligible next to the running maximum's 1).
+// Round to nearest integer, then a degree-6 Taylor polynomial of 2^f on |f| <= 0.5 (relative
+// error < 2e-7). Branch-free and plain arithmetic so the compiler vectorizes the loops using it.
+inline float exp2_nonpositive(float x) {
+  x = x < -125.0f ? -125.0f : x;
+  const int i = -static_cast<int>(0.5f - x);  // round(x) for x <= 0
+  const float f = (x - static_cast<float>(i)) * 0.69314718f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const std::uint32_t e = static_cast<std::uint32_t>(i + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+// Tokens per score tile: long dense chunks are processed in tiles so that scores of one kv head's
+// query group stay in L1 (group * tile floats).
+std::uint32_t tile_tokens(std::uint32_t group) {
+  std::uint32_t t = 4096 / group;
+  t = std::clamp<std::uint32_t>(t, 32, 256);
+  return t / 32 * 32;
+}
+
+std::size_t round_up64(std::size_t floats) { return (floats + 15) / 16 * 16; }
+
+// Floats of one worker's scratch: folded queries and accumulators [group][head_dim], scores
+// [group][tile], and running max / sum [group].
+std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
+  const std::size_t gd = round_up64(static_cast<std::size_t>(group) * head_dim);
+  return 2 * gd + round_up64(static_cast<std::size_t>(group) * tile_tokens(group)) + 2 * round_up64(group);
+}
+
+result<void> validate_params(const attention_params& p) {
+  if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0)
+    return fail(errc::invalid_argument, "attend: zero dimension",
+                {{"q_heads", p.q_heads}, {"kv_heads", p.kv_heads}, {"head_dim", p.head_dim}});
+  if (p.q_heads % p.kv_heads != 0)
+    return fail(errc::invalid_argument, "attend: q_heads is not a multiple of kv_heads",
+                {{"q_heads", p.q_heads}, {"kv_heads", p.kv_heads}});
+  if (p.pool.run != nullptr) {
+    if (p.pool.workers == 0)
+      return fail(errc::invalid_argument, "attend: parallel_for with zero workers", {{"workers", 0}});
+  } else if (p.threads == 0) {
+    return fail(errc::invalid_argument, "attend: zero threads", {{"threads", 0}});
+  }
+  if (!(p.scale >= 0.0f) || std::isinf(p.scale))
+    return fail(errc::invalid_argument, "attend: scale must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  return {};
+}
+
+// Bytes one kv head of a chunk occupies, for the stride check.
+std::size_t key_head_bytes(const chunk& c, std::uint32_t head_dim) {
+  if (c.k_format == format::q4) return sizeof(q4_block) * head_dim;
+  return dense_element_bytes(c.k_format) * c.tokens * head_dim;
+}
+std::size_t value_head_bytes(const chunk& c, std::uint32_t head_dim) {
+  if (c.v_format == format::q4) return sizeof(q4_block) * q4_value_blocks(head_dim) * c.tokens;
+  return dense_element_bytes(c.v_format) * c.tokens * head_dim;
+}
+
+bool known_format(format f) { return f == format::f32 || f == format::f16 || f == format::q4; }
+
+result<void> validate_view(const layer_view& v, std::size_t s, const attention_params& p) {
+  const auto seq = static_cast<long long>(s);
+  if (v.count > 0 && v.chunks == nullptr)
+    return fail(errc::bad_shape, "attend: view has chunks but a null chunk array", {{"sequence", seq}, {"count", v.count}});
+  std::uint64_t total = 0;
+  for (std::uint32_t i = 0; i < v.count; ++i) {
+    const chunk& c = v.chunks[i];
+    total += c.tokens;
+    if (c.tokens == 0) continue;
+    const auto ci = static_cast<long long>(i);
+    if (!known_format(c.k_format) || !known_format(c.v_format))
+      return fail(errc::bad_shape, "attend: chunk has an unknown format",
+                  {{"sequence", seq}, {"chunk", ci}, {"k_format", static_cast<int>(c.k_format)},
+                   {"v_format", static_cast<int>(c.v_format)}});
+    if (c.k == nullptr || c.v == nullptr)
+      return fail(errc::bad_shape, "attend: chunk with tokens has a null K or V pointer", {{"sequence", seq}, {"chunk", ci}});
+    if (c.k_format == format::q4 && c.tokens > q4_group)
+      return fail(errc::bad_shape, "attend: Q4 key chunk holds more than one 32-token group",
+                  {{"sequence", seq}, {"chunk", ci}, {"tokens", c.tokens}});
+    if (p.kv_heads > 1) {
+      const std::size_t kb = key_head_bytes(c, p.head_dim), vb = value_head_bytes(c, p.head_dim);
+      if (c.k_head_stride < kb || c.v_head_stride < vb)
+        return fail(errc::bad_shape, "attend: chunk head stride smaller than one head of head_dim channels",
+                    {{"sequence", seq}, {"chunk", ci}, {"head_dim", p.head_dim},
+                     {"k_head_stride", static_cast<long long>(c.k_head_stride)}, {"k_head_bytes", static_cast<long long>(kb)},
+                     {"v_head_stride", static_cast<long long>(c.v_head_stride)}, {"v_head_bytes", static_cast<long long>(vb)}});
+    }
+  }
+  if (total != v.tokens)
+    return fail(errc::bad_shape, "attend: view token count differs from the sum over its chunks",
+                {{"sequence", seq}, {"view_tokens", v.tokens}, {"chunk_sum", static_cast<long long>(total)}});
+  return {};
+}
+
+// One call's shared, read-only state.
+struct call {
+  const kernels::table* kt;
+  const layer_view* views;
+  const float* q;  // [sequence][q_head][head_dim]
+  float* out;      // [sequence][q_head][head_dim]
+  std::uint32_t kv_heads, head_dim, group, tile;
+  float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
+  float* scratch;
+  std::size_t worker_stride;  // floats per worker
+};
+
+// Online softmax over one tile: s [group][tile] holds base-2 scores of `n` tokens; on return it
+// holds their weights relative to the new running max, and acc rows are rescaled.
+void softmax_tile(float* s, std::uint32_t tile, std::uint32_t n, std::uint32_t group, std::uint32_t head_dim,
+                  float* run_max, float* run_sum, float* acc) {
+  for (std::uint32_t i = 0; i < group; ++i) {
+    float* row = s + static_cast<std::size_t>(i) * tile;
+    float mx = row[0];
+    for (std::uint32_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
+    const float m_new = mx > run_max[i] ? mx : run_max[i];
+    float sum = 0.0f;
+    for (std::uint32_t t = 0; t < n; ++t) {
+      const float w = exp2_nonpositive(row[t] - m_new);
+      row[t] = w;
+      sum += w;
+    }
+    if (m_new != run_max[i]) {
+      // First tile: run_max is -inf and acc / run_sum are 0, so the correction factor is 0.
+      const float corr = run_max[i] == -std::numeric_limits<float>::infinity()
+                             ? 0.0f : exp2_nonpositive(run_max[i] - m_new);
+      float* a = acc + static_cast<std::size_t>(i) * head_dim;
+      for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
+      run_sum[i] *= corr;
+      run_max[i] = m_new;
+    }
+    run_sum[i] += sum;
+  }
+}
+
+void run_task(const call& c, std::size_t task, unsigned worker) {
+  const std::size_t seq = task / c.kv_heads;
+  const auto h = static_cast<std::uint32_t>(task % c.kv_heads);
+  const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
+  const std::size_t gd = static_cast<std::size_t>(g) * hd;
+  // Worker scratch: qf [group][head_dim], acc [group][head_dim], s [group][tile], max, sum [group].
+  float* qf = c.scratch + worker * c.worker_stride;
+  float* acc = qf + round_up64(gd);
+  float* s = acc + round_up64(gd);
+  float* run_max = s + round_up64(static_cast<std::size_t>(g) * tile);
+  float* run_sum = run_max + round_up64(g);
+
+  const float* qh = c.q + (seq * c.kv_heads + h) * gd;
+  for (std::size_t i = 0; i < gd; ++i) {
+    qf[i] = qh[i] * c.scale_log2;
+    acc[i] = 0.0f;
+  }
+  for (std::uint32_t i = 0; i < g; ++i) {
+    run_max[i] = -std::numeric_limits<float>::infinity();
+    run_sum[i] = 0.0f;
+  }
+
+  const kernels::table& kt = *c.kt;
+  const layer_view& view = c.views[seq];
+  const std::uint32_t nb = q4_value_blocks(hd);
+  for (const chunk& ch : view) {
+    if (ch.tokens == 0) continue;
+    const std::byte* kb = ch.k_head(h);
+    const std::byte* vb = ch.v_head(h);
+    for (std::uint32_t t0 = 0; t0 < ch.tokens; t0 += tile) {
+      const std::uint32_t n = std::min(tile, ch.tokens - t0);
+      const std::size_t dense_off = static_cast<std::size_t>(t0) * hd;
+      switch (ch.k_format) {
+        case format::f16:
+          kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + dense_off, n, hd, s, tile);
+          break;
+        case format::f32:
+          kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + dense_off, n, hd, s, tile);
+          break;
+        case format::q4:  // validated: the whole chunk is one group, t0 == 0
+          kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, tile);
+          break;
+      }
+      softmax_tile(s, tile, n, g, hd, run_max, run_sum, acc);
+      switch (ch.v_format) {
+        case format::f16:
+          kt.accumulate_f16(s, tile, g, reinterpret_cast<const half*>(vb) + dense_off, n, hd, acc);
+          break;
+        case format::f32:
+          kt.accumulate_f32(s, tile, g, reinterpret_cast<const float*>(vb) + dense_off, n, hd, acc);
+          break;
+        case format::q4:
+          kt.accumulate_q4(s, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(t0) * nb,
+                           n, hd, acc);
+          break;
+      }
+    }
+  }
+
+  float* oh = c.out + (seq * c.kv_heads + h) * gd;
+  for (std::uint32_t i = 0; i < g; ++i) {
+    const float inv = run_sum[i] > 0.0f ? 1.0f / run_sum[i] : 0.0f;
+    for (std::uint32_t d = 0; d < hd; ++d) oh[i * hd + d] = acc[i * hd + d] * inv;
+  }
+}
+
+}  // namespace
+
+// ---- workspace: scratch + a small persistent pool ---------------------------------------------
+
+struct attention_workspace::impl {
+  std::unique_ptr<float[]> scratch;
+  std::size_t scratch_floats = 0;
+
+  // Pool: threads.size() background workers (worker indices 1..n); the caller is worker 0.
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  std::condition_variable wake, done;
+  std::uint64_t generation = 0;
+  unsigned finished = 0;
+  bool stop = false;
+  parallel_for::task_fn task = nullptr;
+  void* task_ctx = nullptr;
+  std::size_t task_count = 0;
+  unsigned active_helpers = 0;  // background workers 1..active_helpers take part in this job
+  std::atomic<std::size_t> next{0};
+
+  ~impl() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    wake.notify_all();
+    for (std::thread& t : threads) t.join();
+  }
+
+  result<void> grow_scratch(std::size_t floats) {
+    if (floats <= scratch_floats) return {};
+    // 64-byte alignment of each worker's block is not needed for correctness (kernels take
+    // unaligned pointers); new[] of float gives 16-byte alignment.
+    float* p = new (std::nothrow) float[floats];
+    if (p == nullptr)
+      return fail(errc::out_of_memory, "attend: workspace scratch", {{"bytes", static_cast<long long>(floats * sizeof(float))}});
+    scratch.reset(p);
+    scratch_floats = floats;
+    return {};
+  }
+
+  void work(unsigned worker) {
+    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < task_count;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      task(task_ctx, i, worker);
+  }
+
+  void worker_loop(unsigned worker) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        wake.wait(lock, [&] { return stop || generation != seen; });
+        if (stop) return;
+        seen = generation;
+      }
+      if (worker <= active_helpers) work(worker);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ++finished;
+      }
+      done.notify_one();
+    }
+  }
+
+  // Starts background threads until there are `n`.
+  void grow_threads(unsigned n) {
+    while (threads.size() < n) {
+      const auto worker = static_cast<unsigned>(threads.size() + 1);
+      threads.emplace_back([this, worker] { worker_loop(worker); });
+    }
+  }
+
+  void run(std::size_t count, parallel_for::task_fn fn, void* ctx, unsigned nthreads) {
+    const unsigned helpers = static_cast<unsigned>(std::min<std::size_t>(nthreads - 1, count - 1));
+    if (helpers == 0 || threads.empty()) {
+      for (std::size_t i = 0; i < count; ++i) fn(ctx, i, 0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      task = fn;
+      task_ctx = ctx;
+      task_count = count;
+      active_helpers = helpers;
+      next.store(0, std::memory_order_relaxed);
+      finished = 0;
+      ++generation;
+    }
+    wake.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mu);
+    done.wait(lock, [&] { return finished == threads.size(); });
+  }
+};
+
+attention_workspace::attention_workspace() noexcept = default;
+attention_workspace::~attention_workspace() = default;
+attention_workspace::attention_workspace(attention_workspace&&) noexcept = default;
+attention_workspace& attention_workspace::operator=(attention_workspace&&) noexcept = default;
+
+std::size_t attention_workspace::scratch_bytes() const noexcept {
+  return impl_ ? impl_->scratch_floats * sizeof(float) : 0;
+}
+
+result<void> attention_workspace::reserve(const attention_params& p) {
+  KVCACHE_TRY(validate_params(p));
+  if (!impl_) {
+    impl_.reset(new (std::nothrow) impl);
+    if (!impl_) return fail(errc::out_of_memory, "attend: workspace");
+  }
+  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim);
+  KVCACHE_TRY(impl_->grow_scratch(per * workers));
+  if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
+  return {};
+}
+
+result<void> attend(const attention_params& p, std::span<const layer_view> views, std::span<const float> q,
+                    std::span<float> out, attention_workspace& ws) {
+  KVCACHE_TRY(validate_params(p));
+  const std::size_t row = static_cast<std::size_t>(p.q_heads) * p.head_dim;
+  const std::size_t expected = views.size() * row;
+  if (q.size() != expected)
+    return fail(errc::bad_shape, "attend: q size (sequences * q_heads * head_dim)",
+                {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(q.size())}});
+  if (out.size() != expected)
+    return fail(errc::bad_shape, "attend: out size (sequences * q_heads * head_dim)",
+                {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(out.size())}});
+  for (std::size_t s = 0; s < views.size(); ++s) KVCACHE_TRY(validate_view(views[s], s, p));
+  if (views.empty()) return {};
+  KVCACHE_TRY(ws.reserve(p));
+
+  const std::uint32_t group = p.q_heads / p.kv_heads;
+  const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  const call c{&kernels::active(), views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group,
+               tile_tokens(group), scale * log2e, ws.impl_->scratch.get(), worker_floats(group, p.head_dim)};
+  const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
+    run_task(*static_cast<const call*>(ctx), i, worker);
+  };
+  const std::size_t tasks = views.size() * p.kv_heads;
+  void* ctx = const_cast<call*>(&c);
+  if (p.pool.run != nullptr) p.pool.run(p.pool.pool, tasks, fn, ctx);
+  else ws.impl_->run(tasks, fn, ctx, p.threads);
+  return {};
+}
+
+}  // namespace kvcache

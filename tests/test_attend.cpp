@@ -1,0 +1,592 @@
+// attend(): decode attention over hand-built views of every chunking and format, on every ISA,
+// against a float64 reference; then through the real caches; error paths; allocation-free steady state.
+#include <kvcache/attend.hpp>
+#include <kvcache/isa.hpp>
+#include <kvcache/kernels.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace attend_test {
+
+using kvcache::chunk;
+using kvcache::format;
+using kvcache::half;
+using kvcache::layer_view;
+using kvcache::q4_block;
+
+/// One chunk to build: its tokens, formats, and the token capacity that sets its head stride.
+struct chunk_spec {
+  std::uint32_t tokens = 0;
+  format k_format = format::f16;
+  format v_format = format::f16;
+  std::uint32_t capacity = 0;  ///< >= tokens; dense head stride = capacity * head_dim elements
+};
+
+/// Random K/V of one sequence. // k, v [kv_head][token][head_dim]
+struct kv_data {
+  std::uint32_t kv_heads = 0, head_dim = 0, tokens = 0;
+  std::vector<float> k, v;
+  float at_k(std::uint32_t h, std::uint32_t t, std::uint32_t d) const { return k[(static_cast<std::size_t>(h) * tokens + t) * head_dim + d]; }
+  float at_v(std::uint32_t h, std::uint32_t t, std::uint32_t d) const { return v[(static_cast<std::size_t>(h) * tokens + t) * head_dim + d]; }
+};
+
+/// Normal K/V (sigma 1). With `realistic`, shaped like activations of real models: every 16th
+/// key channel is an outlier channel (scaled by 20, offset by 5), and values are a per-channel
+/// mean (sigma 1, fixed over tokens) plus per-token noise of sigma 0.5.
+inline kv_data random_kv(std::mt19937& rng, std::uint32_t kv_heads, std::uint32_t head_dim, std::uint32_t tokens,
+                         bool realistic = false, float key_scale = 1.0f) {
+  kv_data r{kv_heads, head_dim, tokens, {}, {}};
+  const std::size_t n = static_cast<std::size_t>(kv_heads) * tokens * head_dim;
+  r.k.resize(n);
+  r.v.resize(n);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> mean(static_cast<std::size_t>(kv_heads) * head_dim);
+  for (float& m : mean) m = nd(rng);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto d = static_cast<std::uint32_t>(i % head_dim);
+    float x = nd(rng) * key_scale;
+    if (realistic && d % 16 == 3) x = x * 20.0f + 5.0f * key_scale;
+    r.k[i] = x;
+    r.v[i] = realistic ? mean[i / (static_cast<std::size_t>(tokens) * head_dim) * head_dim + d] + 0.5f * nd(rng) : nd(rng);
+  }
+  return r;
+}
+
+/// Chunks holding a sequence's tokens, with their storage and the values they represent.
+struct built_view {
+  std::uint32_t kv_heads = 0, head_dim = 0, tokens = 0;
+  std::vector<chunk> chunks;
+  std::vector<std::vector<float>> storage;  // per chunk: K bytes then V bytes (float for alignment)
+  std::vector<double> k_eff, v_eff;         // [kv_head][token][head_dim] values the chunks hold
+  std::vector<double> k_orig, v_orig;       // [kv_head][token][head_dim] values before any rounding
+
+  layer_view view() const {
+    return layer_view{chunks.data(), static_cast<std::uint32_t>(chunks.size()), tokens};
+  }
+};
+
+inline std::size_t key_head_bytes(const chunk_spec& c, std::uint32_t hd) {
+  if (c.k_format == format::q4) return sizeof(q4_block) * hd + 20;  // + 20: strides need not be tight
+  return kvcache::dense_element_bytes(c.k_format) * c.capacity * hd;
+}
+inline std::size_t value_head_bytes(const chunk_spec& c, std::uint32_t hd) {
+  if (c.v_format == format::q4) return sizeof(q4_block) * kvcache::q4_value_blocks(hd) * c.capacity;
+  return kvcache::dense_element_bytes(c.v_format) * c.capacity * hd;
+}
+
+/// Builds the chunks over data's tokens in order; the specs' tokens must add up to data.tokens.
+/// Q4 is produced and decoded with the scalar reference kernels, from f16-rounded inputs.
+inline built_view build(const kv_data& data, const std::vector<chunk_spec>& specs) {
+  const kvcache::kernels::table& ref = *kvcache::kernels::find(kvcache::isa::scalar);
+  const std::uint32_t H = data.kv_heads, D = data.head_dim, nb = kvcache::q4_value_blocks(D);
+  built_view b;
+  b.kv_heads = H;
+  b.head_dim = D;
+  b.tokens = data.tokens;
+  const std::size_t n = static_cast<std::size_t>(H) * data.tokens * D;
+  b.k_eff.assign(n, 0.0);
+  b.v_eff.assign(n, 0.0);
+  b.k_orig.assign(data.k.begin(), data.k.end());
+  b.v_orig.assign(data.v.begin(), data.v.end());
+  b.storage.resize(specs.size());
+  b.chunks.resize(specs.size());
+  std::uint32_t t0 = 0;
+  std::vector<half> hrow;
+  std::vector<float> deq;
+  for (std::size_t ci = 0; ci < specs.size(); ++ci) {
+    chunk_spec s = specs[ci];
+    s.capacity = std::max(s.capacity, s.tokens);
+    const std::size_t kb = key_head_bytes(s, D), vb = value_head_bytes(s, D);
+    std::vector<float>& mem = b.storage[ci];
+    mem.assign((H * (kb + vb)) / sizeof(float) + 8, 0.0f);
+    auto* kbase = reinterpret_cast<std::byte*>(mem.data());
+    std::byte* vbase = kbase + H * kb;
+    chunk& c = b.chunks[ci];
+    c = chunk{kbase, vbase, kb, vb, s.tokens, s.k_format, s.v_format};
+    for (std::uint32_t h = 0; h < H; ++h) {
+      // Source rows of this head and chunk, f16-rounded for the f16 and q4 formats.
+      hrow.resize(static_cast<std::size_t>(s.tokens) * D);
+      deq.resize(static_cast<std::size_t>(s.tokens) * D);
+      for (int which = 0; which < 2; ++which) {
+        const format f = which == 0 ? s.k_format : s.v_format;
+        std::byte* dst = (which == 0 ? kbase + h * kb : vbase + h * vb);
+        std::vector<double>& eff = which == 0 ? b.k_eff : b.v_eff;
+        for (std::uint32_t t = 0; t < s.tokens; ++t)
+          for (std::uint32_t d = 0; d < D; ++d) {
+            const float x = which == 0 ? data.at_k(h, t0 + t, d) : data.at_v(h, t0 + t, d);
+            hrow[static_cast<std::size_t>(t) * D + d] = kvcache::to_half(x);
+            const std::size_t e = (static_cast<std::size_t>(h) * data.tokens + t0 + t) * D + d;
+            if (f == format::f32) {
+              std::memcpy(dst + (static_cast<std::size_t>(t) * D + d) * 4, &x, 4);
+              eff[e] = x;
+            } else if (f == format::f16) {
+              const half hx = kvcache::to_half(x);
+              std::memcpy(dst + (static_cast<std::size_t>(t) * D + d) * 2, &hx, 2);
+              eff[e] = kvcache::to_float(hx);
+            }
+          }
+        if (f != format::q4 || s.tokens == 0) continue;
+        auto* q = reinterpret_cast<q4_block*>(dst);
+        if (which == 0) {
+          ref.quantize_keys(hrow.data(), D, s.tokens, D, q);
+          ref.dequantize_keys(q, s.tokens, D, deq.data(), D);
+        } else {
+          ref.quantize_values(hrow.data(), D, s.tokens, D, q);
+          ref.dequantize_values(q, s.tokens, D, deq.data(), D);
+          (void)nb;
+        }
+        for (std::uint32_t t = 0; t < s.tokens; ++t)
+          for (std::uint32_t d = 0; d < D; ++d)
+            eff[(static_cast<std::size_t>(h) * data.tokens + t0 + t) * D + d] = deq[static_cast<std::size_t>(t) * D + d];
+      }
+    }
+    t0 += s.tokens;
+  }
+  return b;
+}
+
+/// Float64 attention of one sequence: out [q_heads][head_dim] over the K/V given
+/// ([kv_head][token][head_dim]), query head j reading kv head j / (q_heads / kv_heads).
+inline std::vector<double> reference(std::span<const float> q, std::uint32_t q_heads, std::uint32_t kv_heads,
+                                     std::uint32_t head_dim, std::uint32_t tokens, const std::vector<double>& k,
+                                     const std::vector<double>& v, double scale) {
+  std::vector<double> out(static_cast<std::size_t>(q_heads) * head_dim, 0.0);
+  if (tokens == 0) return out;
+  std::vector<double> s(tokens);
+  const std::uint32_t g = q_heads / kv_heads;
+  for (std::uint32_t j = 0; j < q_heads; ++j) {
+    const std::size_t base = static_cast<std::size_t>(j / g) * tokens * head_dim;
+    double mx = -std::numeric_limits<double>::infinity();
+    for (std::uint32_t t = 0; t < tokens; ++t) {
+      double dot = 0.0;
+      for (std::uint32_t d = 0; d < head_dim; ++d)
+        dot += static_cast<double>(q[static_cast<std::size_t>(j) * head_dim + d]) * k[base + static_cast<std::size_t>(t) * head_dim + d];
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    double sum = 0.0;
+    for (std::uint32_t t = 0; t < tokens; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    for (std::uint32_t t = 0; t < tokens; ++t)
+      for (std::uint32_t d = 0; d < head_dim; ++d)
+        out[static_cast<std::size_t>(j) * head_dim + d] += s[t] / sum * v[base + static_cast<std::size_t>(t) * head_dim + d];
+  }
+  return out;
+}
+
+}  // namespace attend_test
+
+// ---- tests -------------------------------------------------------------------------------------
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+// The replaced operator new / delete below pair malloc with free; g++ cannot see that pairing
+// through inlining and warns at every new-expression.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+// Counts heap allocations, to prove the steady state of attend() allocates nothing.
+namespace {
+std::atomic<long> g_allocations{0};
+}  // namespace
+void* operator new(std::size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using namespace attend_test;
+using kvcache::attention_params;
+using kvcache::attention_workspace;
+using kvcache::errc;
+using kvcache::isa;
+
+std::vector<isa> supported_isas() {
+  std::vector<isa> r;
+  for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon})
+    if (kvcache::isa_supported(i)) r.push_back(i);
+  return r;
+}
+
+/// Makes `i` active for the scope of one test.
+class isa_scope {
+ public:
+  explicit isa_scope(isa i) : old_(kvcache::active_isa()) { EXPECT_TRUE(kvcache::force_isa(i).has_value()); }
+  ~isa_scope() { (void)kvcache::force_isa(old_); }
+  isa_scope(const isa_scope&) = delete;
+  isa_scope& operator=(const isa_scope&) = delete;
+
+ private:
+  isa old_;
+};
+
+struct shape {
+  std::uint32_t q_heads, kv_heads, head_dim;
+};
+
+// Chunkings, as the caches produce them (and some they do not).
+enum class pattern { contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, two_tier, q4_only, mixed };
+const pattern all_patterns[] = {pattern::contiguous_f32, pattern::contiguous_f16, pattern::paged16_f16,
+                                pattern::paged32_f32,    pattern::two_tier,       pattern::q4_only,
+                                pattern::mixed};
+const char* name(pattern p) {
+  switch (p) {
+    case pattern::contiguous_f32: return "contiguous_f32";
+    case pattern::contiguous_f16: return "contiguous_f16";
+    case pattern::paged16_f16: return "paged16_f16";
+    case pattern::paged32_f32: return "paged32_f32";
+    case pattern::two_tier: return "two_tier";
+    case pattern::q4_only: return "q4_only";
+    case pattern::mixed: return "mixed";
+  }
+  return "?";
+}
+
+std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) {
+  std::vector<chunk_spec> r;
+  auto blocks = [&](std::uint32_t b, format f) {
+    for (std::uint32_t t = 0; t < n; t += b) r.push_back({std::min(b, n - t), f, f, b});
+  };
+  switch (p) {
+    case pattern::contiguous_f32: r.push_back({n, format::f32, format::f32, n + 7}); break;
+    case pattern::contiguous_f16: r.push_back({n, format::f16, format::f16, n + 3}); break;
+    case pattern::paged16_f16: blocks(16, format::f16); break;
+    case pattern::paged32_f32: blocks(32, format::f32); break;
+    case pattern::q4_only: blocks(32, format::q4); break;
+    case pattern::two_tier: {  // 32-token Q4 groups, then an f16 tail of 40..71 tokens
+      const std::uint32_t store = n > 40 ? (n - 40) / 32 * 32 : 0;
+      for (std::uint32_t t = 0; t < store; t += 32) r.push_back({32, format::q4, format::q4, 32});
+      r.push_back({n - store, format::f16, format::f16, 72});
+      break;
+    }
+    case pattern::mixed: {  // every K/V format pair, random sizes, some empty chunks
+      const format fs[] = {format::f32, format::f16, format::q4};
+      for (std::uint32_t t = 0; t < n;) {
+        const format kf = fs[rng() % 3], vf = fs[rng() % 3];
+        const std::uint32_t most = kf == format::q4 ? 32 : 300;
+        const std::uint32_t len = std::min<std::uint32_t>(n - t, static_cast<std::uint32_t>(rng() % most) + 1);
+        r.push_back({len, kf, vf, len + static_cast<std::uint32_t>(rng() % 3)});
+        if (rng() % 4 == 0) r.push_back({0, kf, vf, 0});
+        t += len;
+      }
+      if (n == 0) r.push_back({0, format::f16, format::f16, 0});
+      break;
+    }
+  }
+  return r;
+}
+
+std::vector<float> random_q(std::mt19937& rng, std::size_t n, float sigma) {
+  std::normal_distribution<float> nd(0.0f, sigma);
+  std::vector<float> q(n);
+  for (float& x : q) x = nd(rng);
+  return q;
+}
+
+struct errors {
+  double max_rel = 0.0;  // max |out - ref| / max |V| of the sequence
+  bool finite = true;
+};
+
+/// Runs attend over `seqs` sequences of the given lengths and checks against the float64
+/// reference over the values the views hold (`eff`) or the original values (`!eff`).
+struct case_result {
+  errors vs_eff, vs_orig;
+  double rel_l2_orig = 0.0;  // ||out - ref_orig|| / ||ref_orig|| over all outputs
+};
+
+case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<std::uint32_t>& lengths,
+                     unsigned threads = 1, float q_sigma = 1.0f, float scale = 0.0f, bool realistic = false,
+                     float key_scale = 1.0f) {
+  std::vector<built_view> views;
+  std::vector<layer_view> lv;
+  for (std::uint32_t n : lengths) {
+    const kv_data data = random_kv(rng, s.kv_heads, s.head_dim, n, realistic, key_scale);
+    views.push_back(build(data, chunking(p, n, rng)));
+  }
+  for (const built_view& b : views) lv.push_back(b.view());
+  const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;
+  const std::vector<float> q = random_q(rng, row * lengths.size(), q_sigma);
+  std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+  attention_params prm{s.q_heads, s.kv_heads, s.head_dim, scale, threads, {}};
+  attention_workspace ws;
+  const auto r = kvcache::attend(prm, lv, q, out, ws);
+  EXPECT_TRUE(r.has_value()) << (r.has_value() ? "" : r.error().message);
+  const double sc = scale > 0.0f ? scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  case_result res;
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    const built_view& b = views[i];
+    const std::span<const float> qi(q.data() + i * row, row);
+    const auto ref_eff = reference(qi, s.q_heads, s.kv_heads, s.head_dim, b.tokens, b.k_eff, b.v_eff, sc);
+    const auto ref_orig = reference(qi, s.q_heads, s.kv_heads, s.head_dim, b.tokens, b.k_orig, b.v_orig, sc);
+    double vmax = 1e-30;
+    for (double x : b.v_eff) vmax = std::max(vmax, std::abs(x));
+    for (std::size_t j = 0; j < row; ++j) {
+      const double o = out[i * row + j];
+      if (!std::isfinite(o)) res.vs_eff.finite = res.vs_orig.finite = false;
+      res.vs_eff.max_rel = std::max(res.vs_eff.max_rel, std::abs(o - ref_eff[j]) / vmax);
+      res.vs_orig.max_rel = std::max(res.vs_orig.max_rel, std::abs(o - ref_orig[j]) / vmax);
+      num += (o - ref_orig[j]) * (o - ref_orig[j]);
+      den += ref_orig[j] * ref_orig[j];
+    }
+  }
+  res.rel_l2_orig = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  return res;
+}
+
+// Tolerance against the reference over the values the chunks hold (f16-rounded, Q4-dequantized).
+// The only error left is float32 arithmetic: dot products of head_dim terms (relative ~1e-7 of
+// sum |q_d k_d|), the exp2 polynomial (2e-7 relative), and float accumulation of the weighted
+// values over up to 32k tokens (tiles of <= 256 tokens added into one accumulator), each bounded
+// by a few 1e-6 of max|V|. Q4 reads codes with the scales folded into the query, a reordering of
+// the same sums: same bound. 2e-5 leaves a margin of ~5x over the worst seen across ISAs.
+constexpr double arithmetic_tol = 2e-5;
+
+class attend_isa : public ::testing::TestWithParam<isa> {};
+
+TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(1234);
+  const shape shapes[] = {{4, 2, 64}, {8, 8, 32}, {6, 2, 40}, {3, 1, 8}, {32, 8, 128}};
+  const std::uint32_t lengths[] = {1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, 300};
+  double worst = 0.0;
+  for (const shape& s : shapes)
+    for (pattern p : all_patterns)
+      for (std::uint32_t n : lengths) {
+        if (s.q_heads == 32 && n % 16 != 1) continue;  // big shape: a subset of lengths
+        const case_result r = run_case(rng, s, p, {n, n / 2 + 1, 1});
+        ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
+        EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol)
+            << name(p) << " n=" << n << " q_heads=" << s.q_heads << " kv_heads=" << s.kv_heads << " head_dim=" << s.head_dim;
+        worst = std::max(worst, r.vs_eff.max_rel);
+      }
+  std::printf("[ %s ] worst error vs float64 reference over the stored values: %.3g of max|V|\n",
+              std::string(kvcache::to_string(GetParam())).c_str(), worst);
+}
+
+TEST_P(attend_isa, long_contexts) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(77);
+  for (pattern p : all_patterns) {
+    const case_result r = run_case(rng, {32, 8, 128}, p, {4096}, 2);
+    ASSERT_TRUE(r.vs_eff.finite) << name(p);
+    EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol) << name(p);
+  }
+}
+
+TEST_P(attend_isa, one_32k_token_chunk_is_tiled) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(5);
+  const case_result r = run_case(rng, {8, 2, 64}, pattern::contiguous_f16, {32768 + 5}, 2);
+  ASSERT_TRUE(r.vs_eff.finite);
+  EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol);
+}
+
+TEST_P(attend_isa, extreme_scores_do_not_overflow) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(9);
+  for (pattern p : all_patterns)
+    for (std::uint32_t n : {1u, 33u, 700u}) {
+      // scale 1, |q| ~ 30, |k| ~ 10: scores of magnitude ~1e4, far past exp's float range.
+      const case_result r = run_case(rng, {4, 2, 64}, p, {n, 2}, 1, 30.0f, 1.0f, false, 10.0f);
+      ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
+      // Scores ~1e4 carry float32 rounding ~1e-3 absolute, which moves softmax weights by ~1e-3
+      // relative (the weights are nearly one-hot, so the output moves less).
+      EXPECT_LE(r.vs_eff.max_rel, 2e-3) << name(p) << " n=" << n;
+    }
+}
+
+TEST_P(attend_isa, q4_error_against_unquantized_keys_with_outlier_channels) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(31);
+  // Activation-like K/V (outlier key channels, values with channel means: on i.i.d. noise values
+  // the output is itself noise of the size of the quantization error) and q of sigma 0.25, which
+  // makes scores of std ~1.3. The error grows as attention sharpens, since fewer Q4 value rows
+  // then make the output (measured: q sigma 0.5 -> ~0.02, q sigma 1 (scores std ~5) -> ~0.06).
+  for (pattern p : {pattern::two_tier, pattern::q4_only}) {
+    const case_result r = run_case(rng, {32, 8, 128}, p, {4096}, 2, 0.25f, 0.0f, true);
+    std::printf("[ %s ] %s 4096 tokens, keys with outlier channels: relative L2 error %.4f vs f32 inputs\n",
+                std::string(kvcache::to_string(GetParam())).c_str(), name(p), r.rel_l2_orig);
+    EXPECT_LE(r.rel_l2_orig, 2e-2) << name(p);  // DESIGN.md section 3 target
+    EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol) << name(p);
+  }
+}
+
+TEST_P(attend_isa, results_do_not_depend_on_threads_or_pool) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(3);
+  const shape s{8, 4, 64};
+  std::vector<built_view> views;
+  std::vector<layer_view> lv;
+  for (std::uint32_t n : {100u, 1u, 37u, 500u, 64u}) {
+    views.push_back(build(random_kv(rng, s.kv_heads, s.head_dim, n), chunking(pattern::mixed, n, rng)));
+    lv.push_back(views.back().view());
+  }
+  const std::vector<float> q = random_q(rng, lv.size() * s.q_heads * s.head_dim, 1.0f);
+  std::vector<float> one(q.size()), three(q.size()), pooled(q.size());
+  attention_workspace ws;
+  attention_params p{s.q_heads, s.kv_heads, s.head_dim, 0.0f, 1, {}};
+  ASSERT_TRUE(kvcache::attend(p, lv, q, one, ws).has_value());
+  p.threads = 3;
+  ASSERT_TRUE(kvcache::attend(p, lv, q, three, ws).has_value());
+  // An engine pool that runs tasks in reverse order on two alternating worker indices.
+  struct reverse_pool {
+    std::vector<std::size_t> seen;
+  } pool;
+  p.pool.run = [](void* pl, std::size_t count, kvcache::parallel_for::task_fn task, void* ctx) {
+    auto& rp = *static_cast<reverse_pool*>(pl);
+    for (std::size_t i = count; i-- > 0;) {
+      rp.seen.push_back(i);
+      task(ctx, i, static_cast<unsigned>(i % 2));
+    }
+  };
+  p.pool.pool = &pool;
+  p.pool.workers = 2;
+  ASSERT_TRUE(kvcache::attend(p, lv, q, pooled, ws).has_value());
+  EXPECT_EQ(pool.seen.size(), lv.size() * s.kv_heads);  // one task per (sequence, kv head)
+  EXPECT_EQ(0, std::memcmp(one.data(), three.data(), one.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(one.data(), pooled.data(), one.size() * sizeof(float)));
+}
+
+INSTANTIATE_TEST_SUITE_P(isas, attend_isa, ::testing::ValuesIn(supported_isas()),
+                         [](const ::testing::TestParamInfo<isa>& i) { return std::string(kvcache::to_string(i.param)); });
+
+TEST(attend, empty_views_give_zero_rows_and_no_sequences_is_fine) {
+  std::mt19937 rng(1);
+  const built_view full = build(random_kv(rng, 2, 16, 5), {{5, format::f16, format::f16, 5}});
+  const layer_view lv[] = {layer_view{}, full.view(), layer_view{}};
+  const std::vector<float> q = random_q(rng, 3 * 4 * 16, 1.0f);
+  std::vector<float> out(q.size(), 7.0f);
+  attention_workspace ws;
+  const attention_params p{4, 2, 16, 0.0f, 1, {}};
+  ASSERT_TRUE(kvcache::attend(p, lv, q, out, ws).has_value());
+  for (std::size_t i = 0; i < 64; ++i) EXPECT_EQ(out[i], 0.0f);
+  for (std::size_t i = 128; i < 192; ++i) EXPECT_EQ(out[i], 0.0f);
+  EXPECT_NE(out[64], 0.0f);
+  EXPECT_TRUE(kvcache::attend(p, {}, {}, {}, ws).has_value());
+}
+
+TEST(attend, steady_state_allocates_nothing) {
+  std::mt19937 rng(2);
+  const built_view b = build(random_kv(rng, 4, 64, 300), chunking(pattern::two_tier, 300, rng));
+  const built_view c = build(random_kv(rng, 4, 64, 77), chunking(pattern::paged16_f16, 77, rng));
+  const layer_view lv[] = {b.view(), c.view()};
+  const std::vector<float> q = random_q(rng, 2 * 8 * 64, 1.0f);
+  std::vector<float> out(q.size());
+  for (unsigned threads : {1u, 2u}) {
+    attention_workspace ws;
+    const attention_params p{8, 4, 64, 0.0f, threads, {}};
+    ASSERT_TRUE(kvcache::attend(p, lv, q, out, ws).has_value());  // grows the workspace
+    const std::size_t bytes = ws.scratch_bytes();
+    EXPECT_GT(bytes, 0u);
+    const long before = g_allocations.load();
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE(kvcache::attend(p, lv, q, out, ws).has_value());
+    EXPECT_EQ(g_allocations.load(), before) << "threads=" << threads;
+    EXPECT_EQ(ws.scratch_bytes(), bytes);
+  }
+  // reserve() up front: even the first call allocates nothing.
+  attention_workspace ws;
+  const attention_params p{8, 4, 64, 0.0f, 2, {}};
+  ASSERT_TRUE(ws.reserve(p).has_value());
+  const long before = g_allocations.load();
+  ASSERT_TRUE(kvcache::attend(p, lv, q, out, ws).has_value());
+  EXPECT_EQ(g_allocations.load(), before);
+}
+
+// Every bad input: a typed error naming the value, and `out` untouched.
+TEST(attend, bad_shapes_get_typed_errors) {
+  std::mt19937 rng(4);
+  const built_view b =
+      build(random_kv(rng, 2, 32, 40), {{32, format::q4, format::q4, 32}, {8, format::f16, format::f16, 8}});
+  const layer_view good = b.view();
+  const std::vector<float> q = random_q(rng, 4 * 32, 1.0f);
+  std::vector<float> out(q.size(), 42.0f);
+  attention_workspace ws;
+  const attention_params ok{4, 2, 32, 0.0f, 1, {}};
+  ASSERT_TRUE(kvcache::attend(ok, std::span(&good, 1), q, out, ws).has_value());
+  std::fill(out.begin(), out.end(), 42.0f);
+
+  auto expect_error = [&](const attention_params& p, std::span<const layer_view> v, std::span<const float> qq,
+                          std::span<float> oo, errc code, const char* needle) {
+    const auto r = kvcache::attend(p, v, qq, oo, ws);
+    ASSERT_FALSE(r.has_value()) << needle;
+    EXPECT_EQ(r.error().code, code) << r.error().message;
+    EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+    for (float x : out) ASSERT_EQ(x, 42.0f) << needle;
+  };
+  const std::span<const layer_view> one(&good, 1);
+  attention_params p = ok;
+  p.q_heads = 3;
+  expect_error(p, one, std::span(q).first(3 * 32), std::span(out).first(3 * 32), errc::invalid_argument, "q_heads=3");
+  p = ok;
+  p.head_dim = 0;
+  expect_error(p, one, q, out, errc::invalid_argument, "head_dim=0");
+  p = ok;
+  p.kv_heads = 0;
+  expect_error(p, one, q, out, errc::invalid_argument, "kv_heads=0");
+  p = ok;
+  p.threads = 0;
+  expect_error(p, one, q, out, errc::invalid_argument, "threads=0");
+  p = ok;
+  p.pool.run = [](void*, std::size_t, kvcache::parallel_for::task_fn, void*) {};
+  expect_error(p, one, q, out, errc::invalid_argument, "workers=0");
+  p = ok;
+  p.scale = -1.0f;
+  expect_error(p, one, q, out, errc::invalid_argument, "scale");
+  expect_error(ok, one, std::span(q).first(q.size() - 1), out, errc::bad_shape, "got=127");
+  expect_error(ok, one, q, std::span(out).first(64), errc::bad_shape, "got=64");
+  // A view of another head_dim: head strides too small for head_dim 64.
+  p = ok;
+  p.head_dim = 64;
+  std::vector<float> q64(4 * 64), out64(4 * 64);
+  {
+    const auto r = kvcache::attend(p, one, q64, out64, ws);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_EQ(r.error().code, errc::bad_shape);
+    EXPECT_NE(r.error().message.find("head_dim=64"), std::string::npos) << r.error().message;
+  }
+  // Views whose chunks are inconsistent.
+  std::vector<chunk> cs(b.chunks);
+  const layer_view wrong_total{cs.data(), 2, 41};
+  expect_error(ok, std::span(&wrong_total, 1), q, out, errc::bad_shape, "view_tokens=41");
+  cs[1].v = nullptr;
+  const layer_view null_v{cs.data(), 2, 40};
+  expect_error(ok, std::span(&null_v, 1), q, out, errc::bad_shape, "chunk=1");
+  cs = b.chunks;
+  cs[0].tokens = 33;
+  const layer_view big_q4{cs.data(), 2, 41};
+  expect_error(ok, std::span(&big_q4, 1), q, out, errc::bad_shape, "tokens=33");
+  cs = b.chunks;
+  cs[0].k_format = static_cast<format>(9);
+  const layer_view bad_format{cs.data(), 2, 40};
+  expect_error(ok, std::span(&bad_format, 1), q, out, errc::bad_shape, "k_format=9");
+  const layer_view null_chunks{nullptr, 2, 40};
+  expect_error(ok, std::span(&null_chunks, 1), q, out, errc::bad_shape, "count=2");
+  // The first bad sequence of a batch is named.
+  const layer_view two[] = {good, wrong_total};
+  std::vector<float> q2(2 * q.size()), out2(2 * q.size(), 42.0f);
+  const auto r = kvcache::attend(ok, two, q2, out2, ws);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("sequence=1"), std::string::npos) << r.error().message;
+  for (float x : out2) ASSERT_EQ(x, 42.0f);
+}
+
+}  // namespace
