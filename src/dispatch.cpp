@@ -1,9 +1,12 @@
-// Run-time ISA selection: the best supported implementation, overridable by KVCACHE_ISA or
-// force_isa().
+// Run-time ISA selection: the best supported implementation, chosen once at start-up,
+// overridable by KVCACHE_ISA (a bad value is reported on stderr and by isa_environment_error())
+// or force_isa().
 #include "kernels_internal.hpp"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 
 namespace kvcache {
 namespace {
@@ -53,20 +56,38 @@ const kernels::table* best() noexcept {
   return &kernels::scalar::get();
 }
 
-const kernels::table* initial() noexcept {
-  if (const char* env = std::getenv("KVCACHE_ISA"); env != nullptr && *env != '\0') {
-    const result<isa> parsed = parse_isa(env);
-    if (parsed.has_value())
-      if (const kernels::table* t = table_of(parsed.value())) return t;
-    // An unknown or unsupported KVCACHE_ISA falls back to the best ISA; force_isa() reports why.
-  }
-  return best();
+// The start-up state: the chosen table and, if KVCACHE_ISA was bad, why it was not used.
+struct startup {
+  const kernels::table* table = nullptr;
+  error env_error{};
+  bool has_env_error = false;
+};
+
+const startup& initial() {
+  static const startup s = [] {
+    startup r;
+    const char* env = std::getenv("KVCACHE_ISA");
+    result<isa> chosen = isa_from_environment(env != nullptr ? env : "");
+    if (chosen.has_value()) {
+      r.table = table_of(chosen.value());
+    } else {
+      r.table = best();
+      r.env_error = chosen.error();
+      r.has_env_error = true;
+      std::fprintf(stderr, "kvcache: %s\n", r.env_error.message.c_str());
+    }
+    return r;
+  }();
+  return s;
 }
 
 std::atomic<const kernels::table*>& current() noexcept {
-  static std::atomic<const kernels::table*> t{initial()};
+  static std::atomic<const kernels::table*> t{initial().table};
   return t;
 }
+
+// Choose (and report a bad KVCACHE_ISA) at start-up rather than at the first kernel call.
+[[maybe_unused]] const bool chosen_at_startup = (current(), true);
 
 }  // namespace
 
@@ -75,6 +96,26 @@ result<isa> parse_isa(std::string_view name) {
     if (name == to_string(i)) return i;
   return unexpected(errc::invalid_argument,
                     "unknown ISA name '" + std::string(name) + "' (expected scalar, avx2, avx512 or neon)");
+}
+
+result<isa> isa_from_environment(std::string_view value) {
+  if (value.empty()) return best()->which;
+  const isa fallback = best()->which;
+  const result<isa> parsed = parse_isa(value);
+  if (!parsed.has_value())
+    return unexpected(errc::invalid_argument, "KVCACHE_ISA='" + std::string(value) +
+                                                  "' is not an ISA name (scalar, avx2, avx512, neon); using " +
+                                                  std::string(to_string(fallback)));
+  if (table_of(parsed.value()) == nullptr)
+    return unexpected(errc::unsupported, "KVCACHE_ISA='" + std::string(value) +
+                                             "' is not supported by this build or CPU; using " +
+                                             std::string(to_string(fallback)));
+  return parsed.value();
+}
+
+const error* isa_environment_error() noexcept {
+  const startup& s = initial();
+  return s.has_env_error ? &s.env_error : nullptr;
 }
 
 bool isa_supported(isa i) noexcept { return table_of(i) != nullptr; }

@@ -32,9 +32,11 @@ void quantize_group(const half* x, std::size_t stride, std::uint32_t n, q4_block
     mx = std::max(mx, f);
   }
   b = q4_block{};
-  b.min = to_half(mn);
+  // + 0.0f turns -0 into +0, so the stored minimum does not depend on which zero min() kept
+  // (SIMD min reductions compare in another order). Groups containing NaN get unspecified codes.
+  b.min = to_half(mn + 0.0f);
   const float minf = to_float(b.min);
-  const float step = (mx - minf) / 15.0f;
+  const float step = (mx - minf) / 15.0f + 0.0f;  // + 0.0f: a zero range gives +0, whichever zero max() kept
   b.scale = scale_round_up(step);
   const float s = to_float(b.scale);
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;

@@ -32,6 +32,17 @@ enum class isa : std::uint8_t {
 /// Parses an ISA name; errc::invalid_argument for an unknown name.
 [[nodiscard]] result<isa> parse_isa(std::string_view name);
 
+/// What start-up selection makes of a KVCACHE_ISA value: "" selects the best supported ISA; a
+/// known, supported name selects that ISA; otherwise an error naming the value and the ISA used
+/// instead: errc::invalid_argument for an unknown name, errc::unsupported for an ISA this build or
+/// CPU lacks. Pure: does not read the environment or change the active ISA.
+[[nodiscard]] result<isa> isa_from_environment(std::string_view value);
+
+/// The error isa_from_environment() gave for the KVCACHE_ISA value seen at start-up, or nullptr
+/// when it was unset or valid. Such an error is also printed once, as one line on stderr, and the
+/// best supported ISA is used instead: a bad KVCACHE_ISA is never silent and never fatal.
+[[nodiscard]] const error* isa_environment_error() noexcept;
+
 /// Whether this build contains `i` and this CPU can run it.
 [[nodiscard]] bool isa_supported(isa i) noexcept;
 

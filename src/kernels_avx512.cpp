@@ -1,0 +1,114 @@
+// AVX-512 F/BW/VL (+F16C, FMA) kernels. Compiled with AVX-512 flags: everything stays in this
+// file's anonymous namespace (see kernels_internal.hpp); only avx512::get() is exported.
+#include "kernels_internal.hpp"
+
+// GCC 12 reports -W(maybe-)uninitialized inside its own intrinsic headers (the deliberately
+// self-initialised `__Y = __Y` of _mm512_undefined_ps and friends) once they are inlined here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::kernels::avx512 {
+namespace {
+
+// The vector interface kernels_simd.inl is written against: 16 float lanes.
+struct V {
+  static constexpr isa which = isa::avx512;
+  static constexpr unsigned W = 16;
+  static constexpr unsigned score_acc = 16;  // dot-product accumulators of a score tile
+  static constexpr unsigned acc_regs = 16;   // accumulators of a dense accumulate tile
+  static constexpr unsigned q4_queries = 8;  // queries per Q4 pass (2 accumulators each)
+  using vf = __m512;
+  using vi = __m512i;
+  using b16 = __m128i;
+
+  static __mmask16 mask(unsigned n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static vf zero() { return _mm512_setzero_ps(); }
+  static vi zero_i() { return _mm512_setzero_si512(); }
+  static vf set1(float x) { return _mm512_set1_ps(x); }
+  static vf load(const float* p) { return _mm512_loadu_ps(p); }
+  static vf load(const half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vf load_n(const float* p, unsigned n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+  static vf load_n(const half* p, unsigned n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p)); }
+  static void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
+  static void store_n(float* p, vf x, unsigned n) { _mm512_mask_storeu_ps(p, mask(n), x); }
+  static __m256i to_ph(vf x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store(half* p, vf x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_ph(x)); }
+  static void store_n(half* p, vf x, unsigned n) { _mm256_mask_storeu_epi16(p, mask(n), to_ph(x)); }
+
+  static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+  static vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+  static float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+  static float hmin(vf x) { return _mm512_reduce_min_ps(x); }
+  static float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+
+  // Transposing reduction tree: four levels of (shuffle, shuffle, add). Lane 4c + l of the result
+  // is the sum of input 4l + c, so the inputs are fed in that order to get lane j = sum v[j].
+  static vf reduce(const vf* v) {
+    vf u[16];
+    for (unsigned m = 0; m < 16; ++m) u[m] = v[(m % 4) * 4 + m / 4];
+    vf a[8], b[4], c[2];
+    for (unsigned k = 0; k < 8; ++k)
+      a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (unsigned k = 0; k < 4; ++k)
+      b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (unsigned k = 0; k < 2; ++k)
+      c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+
+  // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
+  static vf clamp15(vf c) { return _mm512_min_ps(_mm512_max_ps(c, zero()), set1(15.0f)); }
+  static vi cvtt(vf x) { return _mm512_cvttps_epi32(x); }
+  static vi or_shl4(vi lo, vi hi) { return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)); }
+  static b16 pack16(const vi* v) { return _mm512_cvtepi32_epi8(v[0]); }
+  static b16 load16(const std::uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static void store16(std::uint8_t* p, b16 x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x); }
+  static b16 zero16() { return _mm_setzero_si128(); }
+  static b16 zip_lo(b16 a, b16 b) { return _mm_unpacklo_epi8(a, b); }
+  static b16 zip_hi(b16 a, b16 b) { return _mm_unpackhi_epi8(a, b); }
+  static void decode32(b16 b, vf* out) {
+    const __m512i dw = _mm512_cvtepu8_epi32(b);
+    out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(dw, _mm512_set1_epi32(0x0f)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(dw, 4));
+  }
+  // Smallest half >= step (per lane): round to nearest, then one ulp up where that fell below.
+  static vf scale_up(vf step, half* out) {
+    __m256i h = to_ph(step);
+    const __mmask16 below = _mm512_cmp_ps_mask(_mm512_cvtph_ps(h), step, _CMP_LT_OQ);
+    h = _mm256_mask_add_epi16(h, below, h, _mm256_set1_epi16(1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+    return _mm512_cvtph_ps(h);
+  }
+  static vf recip_or_zero(vf s) {
+    return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), set1(1.0f), s);
+  }
+  static std::uint16_t f16_bits(float f) {
+    return static_cast<std::uint16_t>(
+        _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0));
+  }
+  static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
+};
+
+#include "kernels_simd.inl"
+
+}  // namespace
+
+const table& get() noexcept { return simd_table; }
+
+}  // namespace kvcache::kernels::avx512

@@ -1,0 +1,487 @@
+// Every CPU kernel of every supported ISA against the scalar reference (codecs bit-exact) and
+// against float64 references (dot products within a summation-order bound), on fresh random
+// inputs at ragged sizes and unaligned pointers. Set KVCACHE_TEST_SEED to replay a failure.
+#include <kvcache/format.hpp>
+#include <kvcache/half.hpp>
+#include <kvcache/isa.hpp>
+#include <kvcache/kernels.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kvcache::half;
+using kvcache::isa;
+using kvcache::q4_block;
+namespace kernels = kvcache::kernels;
+
+std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    if (const char* s = std::getenv("KVCACHE_TEST_SEED")) return static_cast<std::uint64_t>(std::strtoull(s, nullptr, 10));
+    return static_cast<std::uint64_t>(std::random_device{}()) << 32 | std::uint64_t{std::random_device{}()};
+  }();
+  return seed;
+}
+
+// Concatenates its arguments with operator<< (for SCOPED_TRACE messages).
+template <class... A>
+std::string cat(const A&... a) {
+  std::ostringstream s;
+  (s << ... << a);
+  return s.str();
+}
+
+#define KVCACHE_SEED_TRACE() SCOPED_TRACE(cat("KVCACHE_TEST_SEED=", test_seed()))
+
+const std::vector<std::size_t> ragged_sizes = {0,  1,  2,  3,   7,   8,   15,  16,  17,  31,  32,
+                                               33, 63, 64, 65, 127, 128, 129, 255, 1000, 1031, 4099};
+const std::vector<std::uint32_t> head_dims = {8, 16, 32, 64, 80, 96, 128, 256, 3, 24, 40, 100};
+
+std::uint32_t f2u(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }
+float u2f(std::uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+class Kernels : public ::testing::TestWithParam<isa> {
+ protected:
+  void SetUp() override {
+    t_ = kernels::find(GetParam());
+    if (t_ == nullptr) GTEST_SKIP() << "ISA " << kvcache::to_string(GetParam()) << " not supported here";
+    ref_ = kernels::find(isa::scalar);
+    ASSERT_NE(ref_, nullptr);
+    ASSERT_EQ(t_->which, GetParam());
+  }
+  const kernels::table* t_ = nullptr;
+  const kernels::table* ref_ = nullptr;
+  std::mt19937_64 rng_{test_seed() ^ (static_cast<std::uint64_t>(GetParam()) * 0x9e3779b97f4a7c15ull)};
+
+  float normal(float sd = 1.0f) { return std::normal_distribution<float>(0.0f, sd)(rng_); }
+  half rand_half(float sd = 1.0f) { return kvcache::to_half(normal(sd)); }
+};
+
+// ---- FP16 conversions ---------------------------------------------------------------------------
+
+TEST_P(Kernels, F16ToF32AllBitPatternsExact) {
+  std::vector<half> src(65536 + 1);
+  for (std::uint32_t i = 0; i < 65536; ++i) src[i + 1].bits = static_cast<std::uint16_t>(i);
+  std::vector<float> got(65536 + 2, 0.0f), want(65536 + 2, 0.0f);
+  t_->f16_to_f32(src.data() + 1, got.data() + 1, 65536);  // unaligned source and destination
+  ref_->f16_to_f32(src.data() + 1, want.data() + 1, 65536);
+  for (std::uint32_t i = 0; i < 65536; ++i) {
+    ASSERT_EQ(f2u(got[i + 1]), f2u(want[i + 1])) << "half bits 0x" << std::hex << i;
+    ASSERT_EQ(f2u(want[i + 1]), f2u(kvcache::to_float(half{static_cast<std::uint16_t>(i)})));
+  }
+}
+
+TEST_P(Kernels, F32ToF16SpecialValuesAndTiesExact) {
+  std::vector<float> src = {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(), u2f(0x7f800001u), u2f(0xff800001u),
+                            u2f(0x7fa00000u), u2f(0x7fbfffffu), u2f(0x7fc02000u), u2f(0x7fffe000u),
+                            u2f(0x00000001u), u2f(0x807fffffu), 65504.0f, 65519.99f, 65520.0f, -65520.0f,
+                            1e10f, 5.96e-8f, 2.98e-8f, 2.9802322e-8f, 3.0e-8f, 6.1e-5f};
+  // Every finite half, the exact midpoints to its neighbour (ties) and one float ulp around them.
+  for (std::uint32_t h = 0; h < 0x7c00u; ++h) {
+    const float a = kvcache::to_float(half{static_cast<std::uint16_t>(h)});
+    const float b = kvcache::to_float(half{static_cast<std::uint16_t>(h + 1)});
+    const float mid = a + (b - a) / 2;  // exact: halves have 11 significant bits
+    for (float x : {a, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      src.push_back(x);
+      src.push_back(-x);
+    }
+  }
+  std::vector<half> got(src.size() + 1), want(src.size() + 1);
+  t_->f32_to_f16(src.data(), got.data() + 1, src.size());
+  ref_->f32_to_f16(src.data(), want.data() + 1, src.size());
+  for (std::size_t i = 0; i < src.size(); ++i)
+    ASSERT_EQ(got[i + 1].bits, want[i + 1].bits) << "float bits 0x" << std::hex << f2u(src[i]);
+}
+
+TEST_P(Kernels, F16ConversionsRaggedUnalignedRandomBits) {
+  KVCACHE_SEED_TRACE();
+  for (std::size_t n : ragged_sizes)
+    for (std::size_t off : {0u, 1u}) {
+      SCOPED_TRACE(cat("n=", n, " offset=", off));
+      std::vector<float> src(n + off + 1);
+      for (float& f : src) f = u2f(static_cast<std::uint32_t>(rng_()));
+      for (std::size_t i = 0; i < n; i += 3) src[i + off] = normal(100.0f);  // mostly finite
+      const half guard{0x5a5a};
+      std::vector<half> got(n + off + 2, guard), want(n + off + 2, guard);
+      t_->f32_to_f16(src.data() + off, got.data() + off, n);
+      ref_->f32_to_f16(src.data() + off, want.data() + off, n);
+      for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << "i=" << i;
+      const float fguard = 1234.5f;
+      std::vector<float> back(n + off + 2, fguard), back_ref(n + off + 2, fguard);
+      t_->f16_to_f32(got.data() + off, back.data() + off, n);
+      ref_->f16_to_f32(got.data() + off, back_ref.data() + off, n);
+      for (std::size_t i = 0; i < back.size(); ++i) ASSERT_EQ(f2u(back[i]), f2u(back_ref[i])) << "i=" << i;
+    }
+}
+
+// ---- Q4 codecs -----------------------------------------------------------------------------------
+
+bool same_blocks(const std::vector<q4_block>& a, const std::vector<q4_block>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(q4_block)) == 0;
+}
+
+std::string block_diff(const std::vector<q4_block>& a, const std::vector<q4_block>& b) {
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(q4_block)) != 0) {
+      std::ostringstream s;
+      s << "block " << i << ": scale " << a[i].scale.bits << " vs " << b[i].scale.bits << ", min "
+        << a[i].min.bits << " vs " << b[i].min.bits << ", codes";
+      for (std::uint32_t j = 0; j < 32; ++j) s << " " << int(kvcache::q4_code(a[i], j)) << "/" << int(kvcache::q4_code(b[i], j));
+      return s.str();
+    }
+  return "none";
+}
+
+// Head rows [tokens][stride] of halves, with channel-dependent spread, outlier channels, a
+// constant channel and signed zeros, so groups of every shape occur.
+std::vector<half> make_rows(std::mt19937_64& rng, std::uint32_t tokens, std::uint32_t hd, std::size_t stride) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<half> rows(tokens * stride + 2, half{0x7e00});  // NaN in the padding: must not be read
+  for (std::uint32_t t = 0; t < tokens; ++t)
+    for (std::uint32_t d = 0; d < hd; ++d) {
+      float x = nd(rng) * (1.0f + static_cast<float>(d % 7));
+      if (d % 13 == 5) x = x * 40.0f + 100.0f;  // outlier channel
+      if (d % 17 == 3) x = 2.5f;                // constant channel
+      if (d % 19 == 4) x = (t % 2) ? 0.0f : -0.0f;
+      rows[t * stride + d + 1] = kvcache::to_half(x);  // offset by one element: unaligned
+    }
+  return rows;
+}
+
+TEST_P(Kernels, QuantizeKeysBitExactWithScalar) {
+  KVCACHE_SEED_TRACE();
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t tokens = 1; tokens <= 32; ++tokens) {
+      SCOPED_TRACE(cat("head_dim=", hd, " tokens=", tokens));
+      const std::size_t stride = hd + (tokens % 3) * 5;
+      const std::vector<half> rows = make_rows(rng_, tokens, hd, stride);
+      std::vector<q4_block> got(hd + 1), want(hd + 1);
+      std::memset(got.data(), 0xab, got.size() * sizeof(q4_block));
+      std::memset(want.data(), 0xab, want.size() * sizeof(q4_block));
+      t_->quantize_keys(rows.data() + 1, stride, tokens, hd, got.data());
+      ref_->quantize_keys(rows.data() + 1, stride, tokens, hd, want.data());
+      ASSERT_TRUE(same_blocks(got, want)) << block_diff(got, want);
+      // Dequantize, bit-exact too (scale * code is exact), into a strided, unaligned buffer.
+      const std::size_t ds = hd + 3;
+      std::vector<float> out(tokens * ds + 2, -7.0f), out_ref(tokens * ds + 2, -7.0f);
+      t_->dequantize_keys(want.data(), tokens, hd, out.data() + 1, ds);
+      ref_->dequantize_keys(want.data(), tokens, hd, out_ref.data() + 1, ds);
+      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f2u(out[i]), f2u(out_ref[i])) << "i=" << i;
+    }
+}
+
+TEST_P(Kernels, QuantizeValuesBitExactWithScalar) {
+  KVCACHE_SEED_TRACE();
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t tokens : {1u, 2u, 3u, 7u, 16u, 31u, 32u, 33u, 70u}) {
+      SCOPED_TRACE(cat("head_dim=", hd, " tokens=", tokens));
+      const std::size_t stride = hd + (tokens % 2) * 9;
+      const std::vector<half> rows = make_rows(rng_, tokens, hd, stride);
+      const std::uint32_t nb = kvcache::q4_value_blocks(hd);
+      std::vector<q4_block> got(tokens * nb + 1), want(tokens * nb + 1);
+      std::memset(got.data(), 0xcd, got.size() * sizeof(q4_block));
+      std::memset(want.data(), 0xcd, want.size() * sizeof(q4_block));
+      t_->quantize_values(rows.data() + 1, stride, tokens, hd, got.data());
+      ref_->quantize_values(rows.data() + 1, stride, tokens, hd, want.data());
+      ASSERT_TRUE(same_blocks(got, want)) << block_diff(got, want);
+      const std::size_t ds = hd + 1;
+      std::vector<float> out(tokens * ds + 2, -7.0f), out_ref(tokens * ds + 2, -7.0f);
+      t_->dequantize_values(want.data(), tokens, hd, out.data() + 1, ds);
+      ref_->dequantize_values(want.data(), tokens, hd, out_ref.data() + 1, ds);
+      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f2u(out[i]), f2u(out_ref[i])) << "i=" << i;
+    }
+}
+
+// Error against float64: every value within half a step of its reconstruction; RMS reported.
+TEST_P(Kernels, Q4ErrorWithinHalfStepAndRms) {
+  KVCACHE_SEED_TRACE();
+  const std::uint32_t hd = 128, tokens = 32;
+  double sq_k = 0, sq_v = 0, sq_x = 0;
+  std::size_t n = 0;
+  for (int rep = 0; rep < 8; ++rep) {
+    const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
+    const half* src = rows.data() + 1;
+    std::vector<q4_block> kb(hd), vb(tokens * kvcache::q4_value_blocks(hd));
+    t_->quantize_keys(src, hd, tokens, hd, kb.data());
+    t_->quantize_values(src, hd, tokens, hd, vb.data());
+    std::vector<float> kd(tokens * hd), vd(tokens * hd);
+    t_->dequantize_keys(kb.data(), tokens, hd, kd.data(), hd);
+    t_->dequantize_values(vb.data(), tokens, hd, vd.data(), hd);
+    for (std::uint32_t t = 0; t < tokens; ++t)
+      for (std::uint32_t d = 0; d < hd; ++d) {
+        const double x = kvcache::to_float(src[t * hd + d]);
+        const double ks = kvcache::to_float(kb[d].scale);
+        const double vs = kvcache::to_float(vb[t * kvcache::q4_value_blocks(hd) + d / 32].scale);
+        const double ek = kd[t * hd + d] - x, ev = vd[t * hd + d] - x;
+        ASSERT_LE(std::abs(ek), ks / 2 * (1 + 1e-6) + 1e-30) << "key t=" << t << " d=" << d << " x=" << x;
+        ASSERT_LE(std::abs(ev), vs / 2 * (1 + 1e-6) + 1e-30) << "value t=" << t << " d=" << d << " x=" << x;
+        sq_k += ek * ek;
+        sq_v += ev * ev;
+        sq_x += x * x;
+        ++n;
+      }
+  }
+  const double rms_k = std::sqrt(sq_k / double(n)), rms_v = std::sqrt(sq_v / double(n));
+  const double rms_x = std::sqrt(sq_x / double(n));
+  std::cout << "[ q4 rms ] " << kvcache::to_string(GetParam()) << ": keys (per channel) rms error " << rms_k
+            << ", values (per token) rms error " << rms_v << ", signal rms " << rms_x << "\n";
+  RecordProperty("q4_rms_error_keys", std::to_string(rms_k));
+  RecordProperty("q4_rms_error_values", std::to_string(rms_v));
+  // Outlier channels hurt per-token grouping far more than per-channel grouping.
+  EXPECT_LT(rms_k, rms_v);
+}
+
+TEST_P(Kernels, Q4ConstantGroupRoundTripsExactly) {
+  for (float c : {0.0f, -0.0f, 2.5f, -3.75f, 65504.0f, -65504.0f, 6.0e-8f}) {
+    SCOPED_TRACE(cat("value=", c));
+    const std::uint32_t hd = 40, tokens = 32;
+    std::vector<half> rows(tokens * hd, kvcache::to_half(c));
+    std::vector<q4_block> kb(hd), vb(tokens * kvcache::q4_value_blocks(hd));
+    t_->quantize_keys(rows.data(), hd, tokens, hd, kb.data());
+    t_->quantize_values(rows.data(), hd, tokens, hd, vb.data());
+    for (const q4_block& b : kb) EXPECT_EQ(kvcache::to_float(b.scale), 0.0f);
+    std::vector<float> kd(tokens * hd), vd(tokens * hd);
+    t_->dequantize_keys(kb.data(), tokens, hd, kd.data(), hd);
+    t_->dequantize_values(vb.data(), tokens, hd, vd.data(), hd);
+    const float want = kvcache::to_float(kvcache::to_half(c));
+    for (std::size_t i = 0; i < kd.size(); ++i) {
+      ASSERT_EQ(kd[i], want) << "key i=" << i;
+      ASSERT_EQ(vd[i], want) << "value i=" << i;
+      ASSERT_FALSE(std::isnan(kd[i]) || std::isnan(vd[i]));
+    }
+  }
+}
+
+TEST_P(Kernels, Q4InfinitiesMatchScalarAndNaNIsHarmless) {
+  const std::uint32_t hd = 64, tokens = 32;
+  std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
+  rows[1 + 5 * hd + 3] = half{0x7c00};   // +inf in key channel 3 / value group 0
+  rows[1 + 9 * hd + 40] = half{0xfc00};  // -inf in key channel 40 / value group 1
+  std::vector<q4_block> kb(hd), kr(hd), vb(tokens * 2), vr(tokens * 2);
+  t_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());
+  ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kr.data());
+  t_->quantize_values(rows.data() + 1, hd, tokens, hd, vb.data());
+  ref_->quantize_values(rows.data() + 1, hd, tokens, hd, vr.data());
+  EXPECT_TRUE(same_blocks(kb, kr)) << block_diff(kb, kr);
+  EXPECT_TRUE(same_blocks(vb, vr)) << block_diff(vb, vr);
+  // NaN inputs: codes are unspecified, but nothing else may change and the groups without NaN
+  // must still match the scalar reference.
+  rows[1 + 2 * hd + 7] = half{0x7e00};
+  t_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());
+  ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kr.data());
+  for (std::uint32_t d = 0; d < hd; ++d)
+    if (d != 7) {
+      EXPECT_EQ(std::memcmp(&kb[d], &kr[d], sizeof(q4_block)), 0) << "channel " << d;
+    }
+}
+
+// ---- attention primitives ------------------------------------------------------------------------
+
+constexpr double eps32 = 1.0 / (1 << 23);
+
+template <class K>
+double to_d(K x) {
+  if constexpr (std::is_same_v<K, half>) return kvcache::to_float(x);
+  else return x;
+}
+
+template <class K>
+void check_scores_dense(const kernels::table& t, std::mt19937_64& rng, bool f16) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u, 9u, 13u})
+      for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 7u, 15u, 16u, 17u, 31u, 33u, 64u, 65u, 129u}) {
+        if (hd > 128 && nq > 4 && tokens > 33) continue;  // keep the run time modest
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        std::vector<float> q(nq * hd + 1);
+        for (float& x : q) x = nd(rng);
+        std::vector<K> k(tokens * hd + 1);
+        for (K& x : k) {
+          if constexpr (std::is_same_v<K, half>) x = kvcache::to_half(nd(rng) * 3.0f);
+          else x = nd(rng) * 3.0f;
+        }
+        const std::size_t os = tokens + 5;
+        const float guard = -12345.0f;
+        std::vector<float> out(nq * os + 2, guard);
+        if (f16) t.scores_f16(q.data() + 1, nq, reinterpret_cast<const half*>(k.data() + 1), tokens, hd, out.data() + 1, os);
+        else t.scores_f32(q.data() + 1, nq, reinterpret_cast<const float*>(k.data() + 1), tokens, hd, out.data() + 1, os);
+        for (std::uint32_t i = 0; i < nq; ++i)
+          for (std::size_t tt = 0; tt < os; ++tt) {
+            const float got = out[1 + i * os + tt];
+            if (tt >= tokens) {
+              ASSERT_EQ(got, guard) << "wrote past tokens at i=" << i << " t=" << tt;
+              continue;
+            }
+            double ref = 0, mag = 0;
+            for (std::uint32_t d = 0; d < hd; ++d) {
+              const double pr = double(q[1 + i * hd + d]) * to_d(k[1 + tt * hd + d]);
+              ref += pr;
+              mag += std::abs(pr);
+            }
+            ASSERT_NEAR(got, ref, 2.0 * (hd + 2) * eps32 * mag + 1e-30) << "i=" << i << " t=" << tt;
+          }
+        ASSERT_EQ(out[0], guard);
+        ASSERT_EQ(out.back(), guard);
+      }
+}
+
+TEST_P(Kernels, ScoresF16) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense<half>(*t_, rng_, true);
+}
+TEST_P(Kernels, ScoresF32) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense<float>(*t_, rng_, false);
+}
+
+template <class V>
+void check_accumulate_dense(const kernels::table& t, std::mt19937_64& rng, bool f16) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u, 9u, 13u})
+      for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 7u, 16u, 17u, 33u, 65u, 300u}) {
+        if (hd > 128 && nq > 4 && tokens > 33) continue;
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        const std::size_t ps = tokens + 3;
+        std::vector<float> p(nq * ps + 1);
+        for (float& x : p) x = std::abs(nd(rng));
+        std::vector<V> v(tokens * hd + 1);
+        for (V& x : v) {
+          if constexpr (std::is_same_v<V, half>) x = kvcache::to_half(nd(rng));
+          else x = nd(rng);
+        }
+        std::vector<float> acc(nq * hd + 2);
+        for (float& x : acc) x = nd(rng);
+        const std::vector<float> acc0 = acc;
+        if (f16) t.accumulate_f16(p.data() + 1, ps, nq, reinterpret_cast<const half*>(v.data() + 1), tokens, hd, acc.data() + 1);
+        else t.accumulate_f32(p.data() + 1, ps, nq, reinterpret_cast<const float*>(v.data() + 1), tokens, hd, acc.data() + 1);
+        ASSERT_EQ(acc[0], acc0[0]);
+        ASSERT_EQ(acc.back(), acc0.back());
+        for (std::uint32_t i = 0; i < nq; ++i)
+          for (std::uint32_t d = 0; d < hd; ++d) {
+            double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
+            for (std::uint32_t tt = 0; tt < tokens; ++tt) {
+              const double pr = double(p[1 + i * ps + tt]) * to_d(v[1 + tt * hd + d]);
+              ref += pr;
+              mag += std::abs(pr);
+            }
+            ASSERT_NEAR(acc[1 + i * hd + d], ref, 2.0 * (tokens + 2) * eps32 * mag + 1e-30) << "i=" << i << " d=" << d;
+          }
+      }
+}
+
+TEST_P(Kernels, AccumulateF16) {
+  KVCACHE_SEED_TRACE();
+  check_accumulate_dense<half>(*t_, rng_, true);
+}
+TEST_P(Kernels, AccumulateF32) {
+  KVCACHE_SEED_TRACE();
+  check_accumulate_dense<float>(*t_, rng_, false);
+}
+
+double code_value(const q4_block& b, std::uint32_t j, double* mag) {
+  const double s = kvcache::to_float(b.scale), m = kvcache::to_float(b.min);
+  const double c = kvcache::q4_code(b, j);
+  *mag = std::abs(s * c) + std::abs(m);
+  return m + s * c;
+}
+
+TEST_P(Kernels, ScoresQ4) {
+  KVCACHE_SEED_TRACE();
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
+      for (std::uint32_t tokens = 1; tokens <= 32; ++tokens) {
+        if (nq > 2 && tokens % 4 != 1 && tokens < 30) continue;  // keep the run time modest
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
+        std::vector<q4_block> kb(hd + 1);
+        ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data() + 1);  // blocks unaligned too
+        std::vector<float> q(nq * hd + 1);
+        for (float& x : q) x = normal();
+        const std::size_t os = 37;
+        const float guard = -999.0f;
+        std::vector<float> out(nq * os + 1, guard);
+        t_->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os);
+        for (std::uint32_t i = 0; i < nq; ++i)
+          for (std::uint32_t tt = 0; tt < os; ++tt) {
+            const float got = out[i * os + tt];
+            if (tt >= tokens) {
+              ASSERT_EQ(got, guard) << "wrote past tokens at i=" << i << " t=" << tt;
+              continue;
+            }
+            double ref = 0, mag = 0;
+            for (std::uint32_t d = 0; d < hd; ++d) {
+              double m;
+              const double kv = code_value(kb[1 + d], tt, &m);
+              ref += q[1 + i * hd + d] * kv;
+              mag += std::abs(q[1 + i * hd + d]) * m;
+            }
+            ASSERT_NEAR(got, ref, 3.0 * (hd + 2) * eps32 * mag + 1e-30) << "i=" << i << " t=" << tt;
+          }
+      }
+}
+
+TEST_P(Kernels, AccumulateQ4) {
+  KVCACHE_SEED_TRACE();
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
+      for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 7u, 8u, 15u, 16u, 17u, 31u, 32u, 33u, 64u, 100u}) {
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        const std::uint32_t nb = kvcache::q4_value_blocks(hd);
+        const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
+        std::vector<q4_block> vb(tokens * nb + 1);
+        ref_->quantize_values(rows.data() + 1, hd, tokens, hd, vb.data() + 1);
+        const std::size_t ps = tokens + 1;
+        std::vector<float> p(nq * ps + 1);
+        for (float& x : p) x = std::abs(normal());
+        std::vector<float> acc(nq * hd + 2);
+        for (float& x : acc) x = normal();
+        const std::vector<float> acc0 = acc;
+        t_->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1);
+        ASSERT_EQ(acc[0], acc0[0]);
+        ASSERT_EQ(acc.back(), acc0.back());
+        for (std::uint32_t i = 0; i < nq; ++i)
+          for (std::uint32_t d = 0; d < hd; ++d) {
+            double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
+            for (std::uint32_t tt = 0; tt < tokens; ++tt) {
+              double m;
+              const double vv = code_value(vb[1 + tt * nb + d / 32], d % 32, &m);
+              ref += p[1 + i * ps + tt] * vv;
+              mag += p[1 + i * ps + tt] * m;
+            }
+            ASSERT_NEAR(acc[1 + i * hd + d], ref, 3.0 * (tokens + 2) * eps32 * mag + 1e-30) << "i=" << i << " d=" << d;
+          }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(isa::scalar, isa::avx2, isa::avx512, isa::neon),
+                         [](const ::testing::TestParamInfo<isa>& p) { return std::string(kvcache::to_string(p.param)); });
+
+// At least one SIMD ISA must be available on the platforms we build SIMD kernels for.
+TEST(KernelsAvailability, SimdIsaPresentOnSimdPlatforms) {
+#if defined(__x86_64__)
+  EXPECT_NE(kernels::find(isa::avx2), nullptr) << "this x86-64 CPU lacks AVX2+F16C+FMA?";
+#elif defined(__aarch64__)
+  EXPECT_NE(kernels::find(isa::neon), nullptr);
+#else
+  GTEST_SKIP() << "no SIMD kernels for this architecture";
+#endif
+  EXPECT_NE(kernels::find(isa::scalar), nullptr);
+  EXPECT_EQ(&kernels::active(), kernels::find(kvcache::active_isa()));
+}
+
+}  // namespace
