@@ -2,6 +2,7 @@
 /// @file kvcache.hpp
 /// Umbrella header: the whole public CPU API of kvcache.
 
+#include <kvcache/block_pool.hpp>
 #include <kvcache/cache.hpp>
 #include <kvcache/config.hpp>
 #include <kvcache/error.hpp>
@@ -10,5 +11,6 @@
 #include <kvcache/half.hpp>
 #include <kvcache/isa.hpp>
 #include <kvcache/kernels.hpp>
+#include <kvcache/paged_cache.hpp>
 #include <kvcache/placement.hpp>
 #include <kvcache/view.hpp>
