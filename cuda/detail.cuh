@@ -1,6 +1,7 @@
 #pragma once
 // Internal to cuda/: CUDA error mapping, device guard, half conversions bit-identical to
-// kvcache/half.hpp, and the pinned upload staging used by the caches. Not installed.
+// kvcache/half.hpp (device code only), and the pinned upload staging used by the caches. Not
+// installed. Included by .cu files (nvcc) and by the host-only .cpp files of the caches (g++).
 #include <kvcache/cuda/runtime.hpp>
 #include <kvcache/error.hpp>
 #include <kvcache/format.hpp>
@@ -70,6 +71,7 @@ inline result<void> check_launch(std::string_view what) {
   return {};
 }
 
+#if defined(__CUDACC__)
 // ---- half conversions: exactly kvcache::f32_to_f16_bits / f16_bits_to_f32 ------------------
 // The host functions in half.hpp are constexpr (callable from device code with
 // --expt-relaxed-constexpr); these wrappers make the intent explicit and keep the bit patterns
@@ -83,6 +85,8 @@ __device__ __forceinline__ float load_dense(const std::byte* p, format f, std::s
   if (f == format::f32) return reinterpret_cast<const float*>(p)[i];
   return h2f(reinterpret_cast<const std::uint16_t*>(p)[i]);
 }
+
+#endif  // __CUDACC__
 
 /// Pinned host staging for small asynchronous uploads (tables, lengths). upload() waits for the
 /// previous upload's copy to have left the staging memory before overwriting it, so the caller's
