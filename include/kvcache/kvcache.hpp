@@ -5,6 +5,7 @@
 #include <kvcache/block_pool.hpp>
 #include <kvcache/cache.hpp>
 #include <kvcache/config.hpp>
+#include <kvcache/contiguous_cache.hpp>
 #include <kvcache/error.hpp>
 #include <kvcache/format.hpp>
 #include <kvcache/geometry.hpp>

@@ -1,0 +1,390 @@
+#pragma once
+/// @file contiguous_cache.hpp
+/// The contiguous cache: every sequence owns one pre-allocated buffer of `capacity_tokens` token
+/// slots per layer, allocated when the sequence is created. The simplest Cache, with one chunk
+/// per layer view and no allocation at all after create().
+///
+/// Layout of one sequence (one 64-byte-aligned allocation):
+///   for each layer l: K_l then V_l, each // [kv_head][capacity_tokens][head_dim] elements
+///   of the storage format (f32 or f16), each buffer starting on a 64-byte boundary.
+/// Committed tokens are slots 0..length-1 of every head; a reservation of n tokens occupies
+/// slots length..length+n-1 until commit makes them visible.
+
+#include <kvcache/cache.hpp>
+#include <kvcache/config.hpp>
+#include <kvcache/error.hpp>
+#include <kvcache/format.hpp>
+#include <kvcache/geometry.hpp>
+#include <kvcache/half.hpp>
+#include <kvcache/kernels.hpp>
+#include <kvcache/placement.hpp>
+#include <kvcache/view.hpp>
+#include <kvcache/detail/id_table.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace kvcache {
+
+/// Configuration of a contiguous cache (shared by every placement).
+struct contiguous_config {
+  geometry shape;                   ///< layers, kv_heads, head_dim; none may be zero
+  format storage = format::f16;     ///< element format of K and V: f32 or f16 (q4 is not supported)
+  std::size_t max_sequences = 1;    ///< most live sequences at once (>= 1)
+  std::size_t capacity_tokens = 0;  ///< token slots per sequence, fixed at creation (1 .. 2^32-1)
+};
+
+/// Statistics of a contiguous cache.
+struct contiguous_stats : cache_stats {
+  std::size_t reserved_tokens = 0;  ///< tokens of open (uncommitted) reservations
+  std::size_t capacity_tokens = 0;  ///< token slots allocated: live sequences * capacity per sequence
+  std::size_t max_sequences = 0;    ///< configured limit of live sequences
+};
+
+/// A contiguous KV cache with placement P. Only the specializations exist: contiguous_cache<cpu>
+/// here, contiguous_cache<cuda> in the CUDA backend.
+template <Placement P = cpu>
+class contiguous_cache;
+
+/// Contiguous cache in host memory. Move-only. Views point straight into the cache's buffers
+/// (zero-copy) and stay valid, at the same addresses, until the sequence is released (a moved
+/// cache keeps its buffers). One thread at a time.
+template <>
+class contiguous_cache<cpu> {
+ public:
+  /// The placement policy type (kvcache::Cache requirement).
+  using placement_type = cpu;
+  /// Alignment in bytes of every K and V layer buffer.
+  static constexpr std::size_t alignment = 64;
+
+  /// Validates `cfg` and builds an empty cache. Errors: errc::invalid_argument for a zero
+  /// geometry dimension, zero max_sequences or capacity_tokens, capacity_tokens >= 2^32, or a
+  /// storage format other than f32/f16 (each message names the value); errc::overflow when the
+  /// bytes of one sequence or of max_sequences sequences do not fit in size_t. Allocates only the
+  /// per-sequence bookkeeping (no K/V storage until create()).
+  [[nodiscard]] static result<contiguous_cache> create(const contiguous_config& cfg) {
+    KVCACHE_TRY(validate(cfg.shape));
+    if (cfg.storage != format::f32 && cfg.storage != format::f16)
+      return fail(errc::invalid_argument, "contiguous_config.storage must be f32 or f16",
+                  {{"format", static_cast<long long>(cfg.storage)}});
+    if (cfg.max_sequences == 0)
+      return fail(errc::invalid_argument, "contiguous_config.max_sequences must be >= 1",
+                  {{"max_sequences", 0}});
+    if (cfg.capacity_tokens == 0)
+      return fail(errc::invalid_argument, "contiguous_config.capacity_tokens must be >= 1",
+                  {{"capacity_tokens", 0}});
+    if (cfg.capacity_tokens > std::numeric_limits<std::uint32_t>::max())
+      return fail(errc::invalid_argument, "contiguous_config.capacity_tokens must be < 2^32",
+                  {{"capacity_tokens", static_cast<long long>(cfg.capacity_tokens)}});
+    if (cfg.max_sequences > std::numeric_limits<std::uint32_t>::max())
+      return fail(errc::invalid_argument, "contiguous_config.max_sequences must be < 2^32",
+                  {{"max_sequences", static_cast<long long>(cfg.max_sequences)}});
+    const std::size_t elem = dense_element_bytes(cfg.storage);
+    const geometry& g = cfg.shape;
+    // Bytes of one K (or V) layer buffer, rounded up to the alignment.
+    result<std::size_t> head = checked_mul(cfg.capacity_tokens, g.head_dim, "contiguous: tokens * head_dim");
+    KVCACHE_TRY(head);
+    result<std::size_t> head_bytes = checked_mul(head.value(), elem, "contiguous: head bytes");
+    KVCACHE_TRY(head_bytes);
+    result<std::size_t> buf = checked_mul(head_bytes.value(), g.kv_heads, "contiguous: layer buffer bytes");
+    KVCACHE_TRY(buf);
+    result<std::size_t> buf_padded = checked_add(buf.value(), alignment - 1, "contiguous: layer buffer padding");
+    KVCACHE_TRY(buf_padded);
+    const std::size_t buffer_bytes = buf_padded.value() / alignment * alignment;
+    result<std::size_t> seq_bytes = checked_mul(buffer_bytes, 2 * static_cast<std::size_t>(g.layers),
+                                                "contiguous: bytes per sequence");
+    KVCACHE_TRY(seq_bytes);
+    result<std::size_t> all_bytes = checked_mul(seq_bytes.value(), cfg.max_sequences,
+                                                "contiguous: bytes of max_sequences sequences");
+    KVCACHE_TRY(all_bytes);
+    return contiguous_cache(cfg, head_bytes.value(), buffer_bytes, seq_bytes.value());
+  }
+
+  contiguous_cache(contiguous_cache&&) noexcept = default;             ///< moves buffers, views stay valid
+  contiguous_cache& operator=(contiguous_cache&&) noexcept = default;  ///< moves buffers
+  contiguous_cache(const contiguous_cache&) = delete;
+  contiguous_cache& operator=(const contiguous_cache&) = delete;
+  ~contiguous_cache() = default;  ///< frees every sequence's storage
+
+  /// The geometry of every sequence.
+  [[nodiscard]] const geometry& shape() const noexcept { return cfg_.shape; }
+  /// The configuration the cache was created with.
+  [[nodiscard]] const contiguous_config& config() const noexcept { return cfg_; }
+  /// Element format of stored K and V.
+  [[nodiscard]] format storage() const noexcept { return cfg_.storage; }
+  /// Bytes of K/V storage allocated per live sequence (all layers, K and V, with padding).
+  [[nodiscard]] std::size_t bytes_per_sequence() const noexcept { return seq_bytes_; }
+
+  /// A new empty sequence with its capacity_tokens slots allocated (all layers).
+  /// errc::capacity_exceeded when max_sequences are live; errc::out_of_memory if the allocation
+  /// fails. The cache is unchanged on failure.
+  [[nodiscard]] result<seq_id> create() {
+    if (ids_.live() >= cfg_.max_sequences)
+      return fail(errc::capacity_exceeded, "create: every sequence slot is in use",
+                  {{"max_sequences", static_cast<long long>(cfg_.max_sequences)}});
+    storage_ptr mem(static_cast<std::byte*>(::operator new(seq_bytes_, std::align_val_t{alignment}, std::nothrow)));
+    if (!mem)
+      return fail(errc::out_of_memory, "create: sequence storage", {{"bytes", static_cast<long long>(seq_bytes_)}});
+    result<seq_id> id = ids_.acquire();  // capacity checked above; bookkeeping pre-reserved
+    if (!id.has_value()) return id;
+    sequence& s = seqs_[ids_.slot(id.value(), "create").value()];
+    s.storage = std::move(mem);
+    s.length = 0;
+    s.pending = 0;
+    s.reserved = false;
+    s.written_count = 0;
+    for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) {
+      chunk& c = s.chunks[l];
+      c.k = s.storage.get() + (2 * static_cast<std::size_t>(l)) * buffer_bytes_;
+      c.v = s.storage.get() + (2 * static_cast<std::size_t>(l) + 1) * buffer_bytes_;
+      c.k_head_stride = head_bytes_;
+      c.v_head_stride = head_bytes_;
+      c.tokens = 0;
+      c.k_format = cfg_.storage;
+      c.v_format = cfg_.storage;
+      s.written[l] = false;
+    }
+    resident_ += seq_bytes_;
+    return id;
+  }
+
+  /// Opens a reservation of n new tokens (n may be 0). Errors: unknown_sequence;
+  /// reservation_pending if one is open; capacity_exceeded naming requested and available slots.
+  [[nodiscard]] result<void> reserve(seq_id id, std::size_t n) {
+    result<std::uint32_t> slot = ids_.slot(id, "reserve: unknown sequence");
+    KVCACHE_TRY(slot);
+    sequence& s = seqs_[slot.value()];
+    if (s.reserved)
+      return fail(errc::reservation_pending, "reserve: a reservation is already open",
+                  {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
+    const std::size_t available = cfg_.capacity_tokens - s.length;
+    if (n > available)
+      return fail(errc::capacity_exceeded, "reserve: sequence capacity exceeded",
+                  {{"requested", static_cast<long long>(n)}, {"available", static_cast<long long>(available)},
+                   {"capacity_tokens", static_cast<long long>(cfg_.capacity_tokens)}});
+    s.reserved = true;
+    s.pending = n;
+    s.written_count = 0;
+    for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) s.written[l] = false;
+    reserved_ += n;
+    return {};
+  }
+
+  /// Writes the reserved tokens of one layer. K and V: [n][kv_heads][head_dim] floats, n the
+  /// reserved count; stored converted to the storage format (f16: round-to-nearest-even through
+  /// the active kernels). Writing a layer again overwrites it. Errors, checked in this order:
+  /// unknown_sequence, layer_out_of_range, not_reserved, bad_shape (naming expected and got).
+  [[nodiscard]] result<void> write(seq_id id, std::uint32_t layer, std::span<const float> k,
+                                   std::span<const float> v) {
+    return write_impl(id, layer, k, v);
+  }
+
+  /// The same with K and V already in binary16 ([n][kv_heads][head_dim] halves): copied as is
+  /// into f16 storage, widened exactly into f32 storage.
+  [[nodiscard]] result<void> write(seq_id id, std::uint32_t layer, std::span<const half> k,
+                                   std::span<const half> v) {
+    return write_impl(id, layer, k, v);
+  }
+
+  /// Makes the reserved tokens visible. Errors: unknown_sequence; not_reserved when no
+  /// reservation is open; incomplete_write (naming the first unwritten layer) if any layer was
+  /// not written since reserve.
+  [[nodiscard]] result<void> commit(seq_id id) {
+    result<std::uint32_t> slot = ids_.slot(id, "commit: unknown sequence");
+    KVCACHE_TRY(slot);
+    sequence& s = seqs_[slot.value()];
+    if (!s.reserved)
+      return fail(errc::not_reserved, "commit: no open reservation", {{"seq", static_cast<long long>(id.value)}});
+    if (s.written_count != cfg_.shape.layers) {
+      std::uint32_t first = 0;
+      while (first < cfg_.shape.layers && s.written[first]) ++first;
+      return fail(errc::incomplete_write, "commit: a layer of the reservation was not written",
+                  {{"layer", first}, {"written_layers", s.written_count}, {"layers", cfg_.shape.layers}});
+    }
+    s.length += s.pending;
+    tokens_ += s.pending;
+    reserved_ -= s.pending;
+    s.pending = 0;
+    s.reserved = false;
+    set_chunk_tokens(s);
+    return {};
+  }
+
+  /// Committed tokens of a sequence, or unknown_sequence.
+  [[nodiscard]] result<std::size_t> length(seq_id id) const {
+    result<std::uint32_t> slot = ids_.slot(id, "length: unknown sequence");
+    KVCACHE_TRY(slot);
+    return seqs_[slot.value()].length;
+  }
+
+  /// Keeps the first n tokens (rollback). Storage stays allocated. Errors: unknown_sequence;
+  /// reservation_pending; out_of_range if n > length (naming both).
+  [[nodiscard]] result<void> truncate(seq_id id, std::size_t n) {
+    result<std::uint32_t> slot = ids_.slot(id, "truncate: unknown sequence");
+    KVCACHE_TRY(slot);
+    sequence& s = seqs_[slot.value()];
+    if (s.reserved)
+      return fail(errc::reservation_pending, "truncate: a reservation is open",
+                  {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
+    if (n > s.length)
+      return fail(errc::out_of_range, "truncate: count past the sequence length",
+                  {{"n", static_cast<long long>(n)}, {"length", static_cast<long long>(s.length)}});
+    tokens_ -= s.length - n;
+    s.length = n;
+    set_chunk_tokens(s);
+    return {};
+  }
+
+  /// Releases a sequence (an open reservation is dropped) and frees its storage; the id is
+  /// rejected with unknown_sequence ever after.
+  [[nodiscard]] result<void> release(seq_id id) {
+    result<std::uint32_t> slot = ids_.slot(id, "release: unknown sequence");
+    KVCACHE_TRY(slot);
+    sequence& s = seqs_[slot.value()];
+    tokens_ -= s.length;
+    reserved_ -= s.pending;
+    resident_ -= seq_bytes_;
+    s.storage.reset();
+    s.length = 0;
+    s.pending = 0;
+    s.reserved = false;
+    s.written_count = 0;
+    ids_.release(slot.value());
+    return {};
+  }
+
+  /// The committed tokens of one layer: zero chunks when empty, else one chunk pointing into the
+  /// cache's storage, // k, v: [kv_head][capacity_tokens][head_dim], head stride
+  /// capacity_tokens * head_dim elements. Errors: unknown_sequence, layer_out_of_range.
+  [[nodiscard]] result<layer_view> view(seq_id id, std::uint32_t layer) const {
+    result<std::uint32_t> slot = ids_.slot(id, "view: unknown sequence");
+    KVCACHE_TRY(slot);
+    if (layer >= cfg_.shape.layers)
+      return fail(errc::layer_out_of_range, "view: layer", {{"layer", layer}, {"layers", cfg_.shape.layers}});
+    const sequence& s = seqs_[slot.value()];
+    return layer_view{&s.chunks[layer], s.length > 0 ? 1u : 0u, static_cast<std::uint32_t>(s.length)};
+  }
+
+  /// Counters, O(1).
+  [[nodiscard]] contiguous_stats stats() const noexcept {
+    contiguous_stats st;
+    st.sequences = ids_.live();
+    st.tokens = tokens_;
+    st.resident_bytes = resident_;
+    st.reserved_tokens = reserved_;
+    st.capacity_tokens = ids_.live() * cfg_.capacity_tokens;
+    st.max_sequences = cfg_.max_sequences;
+    return st;
+  }
+
+ private:
+  struct aligned_delete {
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{alignment}); }
+  };
+  using storage_ptr = std::unique_ptr<std::byte, aligned_delete>;
+
+  /// Per-sequence state; every array is allocated once, when the cache is created.
+  struct sequence {
+    storage_ptr storage;              // [layer][K|V][kv_head][capacity][head_dim], null when free
+    std::unique_ptr<chunk[]> chunks;  // [layer] the one chunk of each layer view
+    std::unique_ptr<bool[]> written;  // [layer] written since the open reservation began
+    std::size_t length = 0;           // committed tokens
+    std::size_t pending = 0;          // tokens of the open reservation
+    std::uint32_t written_count = 0;  // layers with written[l] set
+    bool reserved = false;            // a reservation is open
+  };
+
+  contiguous_cache(const contiguous_config& cfg, std::size_t head_bytes, std::size_t buffer_bytes,
+                   std::size_t seq_bytes)
+      : cfg_(cfg), head_bytes_(head_bytes), buffer_bytes_(buffer_bytes), seq_bytes_(seq_bytes),
+        ids_(cfg.max_sequences), seqs_(cfg.max_sequences) {
+    for (sequence& s : seqs_) {
+      s.chunks = std::make_unique<chunk[]>(cfg.shape.layers);
+      s.written = std::make_unique<bool[]>(cfg.shape.layers);
+    }
+  }
+
+  void set_chunk_tokens(sequence& s) noexcept {
+    for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) s.chunks[l].tokens = static_cast<std::uint32_t>(s.length);
+  }
+
+  // Copies n rows of head_dim elements from a token-major source (row stride token_width) into
+  // one head's slots: f32 <- f32 / f16 <- f16 copy, f16 <- f32 and f32 <- f16 convert.
+  static void store_rows(const float* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
+                         format storage, std::byte* dst) noexcept {
+    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
+    if (storage == format::f32) {
+      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
+    } else {
+      const kernels::table& kt = kernels::active();
+      for (std::size_t t = 0; t < rows; ++t)
+        kt.f32_to_f16(src + t * src_stride, reinterpret_cast<half*>(dst + t * row_bytes), head_dim);
+    }
+  }
+  static void store_rows(const half* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
+                         format storage, std::byte* dst) noexcept {
+    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
+    if (storage == format::f16) {
+      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
+    } else {
+      const kernels::table& kt = kernels::active();
+      for (std::size_t t = 0; t < rows; ++t)
+        kt.f16_to_f32(src + t * src_stride, reinterpret_cast<float*>(dst + t * row_bytes), head_dim);
+    }
+  }
+
+  template <class T>
+  [[nodiscard]] result<void> write_impl(seq_id id, std::uint32_t layer, std::span<const T> k, std::span<const T> v) {
+    result<std::uint32_t> slot = ids_.slot(id, "write: unknown sequence");
+    KVCACHE_TRY(slot);
+    const geometry& g = cfg_.shape;
+    if (layer >= g.layers)
+      return fail(errc::layer_out_of_range, "write: layer", {{"layer", layer}, {"layers", g.layers}});
+    sequence& s = seqs_[slot.value()];
+    if (!s.reserved)
+      return fail(errc::not_reserved, "write: no open reservation", {{"seq", static_cast<long long>(id.value)}});
+    const std::size_t tw = g.token_width();
+    const std::size_t expected = s.pending * tw;  // cannot overflow: pending <= capacity, checked at create
+    if (k.size() != expected)
+      return fail(errc::bad_shape, "write: K size (reserved tokens * kv_heads * head_dim)",
+                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(k.size())}});
+    if (v.size() != expected)
+      return fail(errc::bad_shape, "write: V size (reserved tokens * kv_heads * head_dim)",
+                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(v.size())}});
+    const chunk& c = s.chunks[layer];
+    const std::size_t first = s.length * g.head_dim * dense_element_bytes(cfg_.storage);  // slot offset in a head
+    std::byte* kd = s.storage.get() + (2 * static_cast<std::size_t>(layer)) * buffer_bytes_ + first;
+    std::byte* vd = s.storage.get() + (2 * static_cast<std::size_t>(layer) + 1) * buffer_bytes_ + first;
+    for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
+      const std::size_t src_off = static_cast<std::size_t>(h) * g.head_dim;
+      store_rows(k.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, kd + h * c.k_head_stride);
+      store_rows(v.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, vd + h * c.v_head_stride);
+    }
+    if (!s.written[layer]) {
+      s.written[layer] = true;
+      ++s.written_count;
+    }
+    return {};
+  }
+
+  contiguous_config cfg_;
+  std::size_t head_bytes_ = 0;    // bytes of one head's slots: capacity * head_dim * element
+  std::size_t buffer_bytes_ = 0;  // bytes of one K or V layer buffer, padded to `alignment`
+  std::size_t seq_bytes_ = 0;     // 2 * layers * buffer_bytes_
+  std::size_t tokens_ = 0;        // committed tokens over live sequences
+  std::size_t reserved_ = 0;      // tokens of open reservations
+  std::size_t resident_ = 0;      // bytes of K/V storage allocated
+  detail::id_table ids_;
+  std::vector<sequence> seqs_;  // [slot]
+};
+
+static_assert(Cache<contiguous_cache<cpu>>);
+
+}  // namespace kvcache
