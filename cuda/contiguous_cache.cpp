@@ -448,6 +448,18 @@ result<void> contiguous_cache<cuda>::write_batch(std::uint32_t layer, const void
   return {};
 }
 
+result<void> contiguous_cache<cuda>::mark_batch_written() {
+  impl& m = *impl_;
+  if (!m.fresh()) return fail(errc::invalid_argument, "mark_batch_written: no prepared batch since the last reserve/commit/truncate/release");
+  for (const std::uint32_t slot : m.batch_slots) {
+    impl::sequence& s = m.seqs[slot];
+    if (!s.reserved) continue;
+    for (std::uint32_t l = 0; l < m.cfg.shape.layers; ++l) s.written[l] = true;
+    s.written_count = m.cfg.shape.layers;
+  }
+  return {};
+}
+
 result<void> contiguous_cache<cuda>::attend(std::uint32_t layer, const attention_params& ap, const float* q, float* out,
                                             device_buffer& workspace, const cuda_attend_options& opt) {
   impl& m = *impl_;

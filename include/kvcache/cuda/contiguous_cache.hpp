@@ -121,6 +121,10 @@ class contiguous_cache<cuda> {
   /// order. Errors: invalid_argument (no fresh prepared batch, null pointer, bad format),
   /// layer_out_of_range, device_error.
   [[nodiscard]] result<void> write_batch(std::uint32_t layer, const void* k, const void* v, format src = format::f32);
+  /// Host bookkeeping only: records every layer of the prepared batch's reservations as written,
+  /// for a replayed CUDA graph that contains write_batch for every layer (the replay runs the
+  /// device work without the host calls). errc::invalid_argument when no batch is fresh.
+  [[nodiscard]] result<void> mark_batch_written();
   /// Decode attention of the prepared batch over one layer: q, out device
   /// [batch][p.q_heads][head_dim] floats. p.kv_heads and p.head_dim must match the geometry
   /// (bad_shape otherwise); p.threads and p.pool are ignored. `workspace` grows (cudaMalloc) when
