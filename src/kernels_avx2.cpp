@@ -66,24 +66,24 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static float hmin(vf x) {
-    __m128 s = _mm_min_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_min_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_min_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+  // Transposing reduction tree: (permute, permute, op) then two levels of (shuffle, shuffle, op).
+  // Lane 4h + l of the result combines input 2l + h, so inputs are fed in that order to get
+  // lane j = op over v[j].
+  template <class Op>
+  static vf tree(const vf* v, Op op) {
+    vf u[8];
+    for (unsigned m = 0; m < 8; ++m) u[m] = v[(m % 2) * 4 + m / 2];
+    vf a[4], b[2];
+    for (unsigned k = 0; k < 4; ++k)
+      a[k] = op(_mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x20), _mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x31));
+    for (unsigned k = 0; k < 2; ++k)
+      b[k] = op(_mm256_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm256_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return op(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  static float hmax(vf x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  // Lane j of the result = sum of v[j], j < 8.
-  static vf reduce(const vf* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
+  static vf reduce(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_add_ps(a, b); }); }
+  static vf reduce_min(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_min_ps(a, b); }); }
+  static vf reduce_max(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_max_ps(a, b); }); }
 
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm256_min_ps(_mm256_max_ps(c, zero()), set1(15.0f)); }
@@ -120,9 +120,15 @@ struct V {
   static vf recip_or_zero(vf s) {
     return _mm256_and_ps(_mm256_div_ps(set1(1.0f), s), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
   }
-  static std::uint16_t f16_bits(float f) {
-    return static_cast<std::uint16_t>(
-        _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0));
+  // Scale and min of n blocks b[j * stride]: one gather of their first 4 bytes (scale | min << 16).
+  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(static_cast<int>(stride * (sizeof(q4_block) / 4))));
+    const __m256i dw = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(b), idx, mask(n), 4);
+    const __m256i sm = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(dw, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dw, 16)), 0xD8);
+    s = _mm256_cvtph_ps(_mm256_castsi256_si128(sm));
+    m = _mm256_cvtph_ps(_mm256_extracti128_si256(sm, 1));
   }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };

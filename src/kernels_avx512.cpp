@@ -50,27 +50,29 @@ struct V {
   static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
   static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
   static float hsum(vf x) { return _mm512_reduce_add_ps(x); }
-  static float hmin(vf x) { return _mm512_reduce_min_ps(x); }
-  static float hmax(vf x) { return _mm512_reduce_max_ps(x); }
 
-  // Transposing reduction tree: four levels of (shuffle, shuffle, add). Lane 4c + l of the result
-  // is the sum of input 4l + c, so the inputs are fed in that order to get lane j = sum v[j].
-  static vf reduce(const vf* v) {
+  // Transposing reduction tree: four levels of (shuffle, shuffle, op). Lane 4c + l of the result
+  // combines input 4l + c, so the inputs are fed in that order to get lane j = op over v[j].
+  template <class Op>
+  static vf tree(const vf* v, Op op) {
     vf u[16];
     for (unsigned m = 0; m < 16; ++m) u[m] = v[(m % 4) * 4 + m / 4];
     vf a[8], b[4], c[2];
     for (unsigned k = 0; k < 8; ++k)
-      a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+      a[k] = op(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     for (unsigned k = 0; k < 4; ++k)
-      b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+      b[k] = op(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
     for (unsigned k = 0; k < 2; ++k)
-      c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                           _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+      c[k] = op(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return op(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
+  static vf reduce(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_add_ps(a, b); }); }
+  static vf reduce_min(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_min_ps(a, b); }); }
+  static vf reduce_max(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_max_ps(a, b); }); }
 
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm512_min_ps(_mm512_max_ps(c, zero()), set1(15.0f)); }
@@ -98,9 +100,13 @@ struct V {
   static vf recip_or_zero(vf s) {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), set1(1.0f), s);
   }
-  static std::uint16_t f16_bits(float f) {
-    return static_cast<std::uint16_t>(
-        _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0));
+  // Scale and min of n blocks b[j * stride]: one gather of their first 4 bytes (scale | min << 16).
+  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(stride * (sizeof(q4_block) / 4))));
+    const __m512i dw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask(n), idx, b, 4);
+    s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+    m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
   }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };

@@ -8,12 +8,13 @@
 // The interface V provides (W = lanes per float vector):
 //   vf, vi (W x int32), b16 (16 bytes); zero, set1, load/load_n/store/store_n for float and half
 //   (_n: first n lanes, 0 <= n <= W, zero-filled); add sub mul div fma(a,b,c)=a*b+c min max;
-//   hsum hmin hmax; reduce(v[W]) -> lane j = sum of v[j]; clamp15 (NaN -> 0); cvtt (truncate);
+//   hsum; reduce / reduce_min / reduce_max (v[W]) -> lane j = sum / min / max of v[j]; clamp15 (NaN -> 0); cvtt (truncate);
 //   or_shl4(lo, hi) = lo | hi << 4; pack16(vi[16/W]) -> 16 bytes; load16 store16 zero16 zip_lo
 //   zip_hi (interleave bytes, as punpcklbw/vzip1); decode32(b16, vf[32/W]) -> the 32 codes of a
 //   q4 block (low nibbles = elements 0..15, high = 16..31) as floats; scale_up(step, half out[W])
 //   -> smallest half >= step per lane (the Q4 scale); recip_or_zero(s) = s > 0 ? 1/s : 0;
-//   f16_bits(float) / f32_of(bits) for one element; tuning constants score_acc, acc_regs,
+//   scale_min(b, stride, n, s, m): scales and minimums of the n (<= W) blocks b[j * stride] as
+//   floats (zero beyond n); f32_of(bits) converts one half; tuning constants score_acc, acc_regs,
 //   q4_queries.
 
 using vf = V::vf;
@@ -70,59 +71,75 @@ vi code_of(vf x, vf minf, vf inv) {
   return V::cvtt(V::add(V::clamp15(V::mul(V::sub(x, minf), inv)), V::set1(0.5f)));
 }
 
-// Scalar scale/min of one group from its min and max (as the scalar reference computes them).
-struct group_params {
-  std::uint16_t scale_bits, min_bits;
-  float minf, inv;
-};
-group_params params_of(float mn, float mx) {
-  group_params g{};
-  g.minf = mn + 0.0f;  // -0 -> +0: the result must not depend on which zero a min() kept
-  g.min_bits = V::f16_bits(g.minf);
-  const float step = (mx - g.minf) / 15.0f + 0.0f;  // +0 for a zero range, as the scalar code
-  g.scale_bits = V::f16_bits(step);
-  if (V::f32_of(g.scale_bits) < step) g.scale_bits = static_cast<std::uint16_t>(g.scale_bits + 1u);
-  const float s = V::f32_of(g.scale_bits);
-  g.inv = s > 0.0f ? 1.0f / s : 0.0f;
-  return g;
-}
-
-// One value group: n (1..32) contiguous halves.
-void quantize_value_group(const half* x, unsigned n, q4_block& b) {
+// Value groups, W at a time: each group's min and max reduce horizontally (one transposing tree
+// for all W groups), then the scale/min parameters of the W groups are computed in one vector.
+// Group k of the batch is n[k] (1..32) contiguous halves at x[k].
+void quantize_value_batch(const half* const* x, const unsigned* n, unsigned count, q4_block* const* out) {
   constexpr unsigned R = 32 / W;
-  half buf[32];
-  if (n < 32) {  // pad with the first value: min and max are unchanged; padded codes cleared below
-    for (unsigned j = 0; j < 32; ++j) buf[j] = j < n ? x[j] : x[0];
-    x = buf;
+  half pad[W][32];
+  const half* src[W];
+  vf mnv[W], mxv[W];
+  for (unsigned k = 0; k < W; ++k) {
+    if (k >= count) {
+      mnv[k] = mxv[k] = V::zero();
+      continue;
+    }
+    src[k] = x[k];
+    if (n[k] < 32) {  // pad with the first value: min and max unchanged; codes cleared below
+      for (unsigned j = 0; j < 32; ++j) pad[k][j] = j < n[k] ? x[k][j] : x[k][0];
+      src[k] = pad[k];
+    }
+    vf mn = V::load(src[k]), mx = mn;
+    for (unsigned r = 1; r < R; ++r) {
+      const vf v = V::load(src[k] + r * W);
+      mn = V::min(mn, v);
+      mx = V::max(mx, v);
+    }
+    mnv[k] = mn;
+    mxv[k] = mx;
   }
-  vf v[R];
-  for (unsigned r = 0; r < R; ++r) v[r] = V::load(x + r * W);
-  vf mn = v[0], mx = v[0];
-  for (unsigned r = 1; r < R; ++r) {
-    mn = V::min(mn, v[r]);
-    mx = V::max(mx, v[r]);
-  }
-  const group_params g = params_of(V::hmin(mn), V::hmax(mx));
-  const vf minf = V::set1(g.minf), inv = V::set1(g.inv);
-  vi c[R / 2];
-  for (unsigned r = 0; r < R / 2; ++r)
-    c[r] = V::or_shl4(code_of(v[r], minf, inv), code_of(v[r + R / 2], minf, inv));
-  b.scale = half{g.scale_bits};
-  b.min = half{g.min_bits};
-  V::store16(b.codes, V::pack16(c));
-  for (unsigned j = n; j < 32; ++j) {
-    if (j < 16) b.codes[j] = static_cast<std::uint8_t>(b.codes[j] & 0xf0u);
-    else b.codes[j - 16] = static_cast<std::uint8_t>(b.codes[j - 16] & 0x0fu);
+  // Lane k: group k. Same arithmetic as the scalar reference (and quantize_keys16).
+  half scales[W], mins[W];
+  alignas(64) float minf[W], inv[W];
+  const vf mnk = V::add(V::reduce_min(mnv), V::zero());  // -0 -> +0
+  V::store(mins, mnk);
+  V::store(minf, mnk);
+  const vf step = V::add(V::div(V::sub(V::reduce_max(mxv), mnk), V::set1(15.0f)), V::zero());
+  V::store(inv, V::recip_or_zero(V::scale_up(step, scales)));
+  for (unsigned k = 0; k < count; ++k) {
+    const vf mf = V::set1(minf[k]), iv = V::set1(inv[k]);
+    vi c[R / 2];
+    for (unsigned r = 0; r < R / 2; ++r)
+      c[r] = V::or_shl4(code_of(V::load(src[k] + r * W), mf, iv), code_of(V::load(src[k] + (r + R / 2) * W), mf, iv));
+    q4_block& b = *out[k];
+    b.scale = scales[k];
+    b.min = mins[k];
+    V::store16(b.codes, V::pack16(c));
+    for (unsigned j = n[k]; j < 32; ++j) {
+      if (j < 16) b.codes[j] = static_cast<std::uint8_t>(b.codes[j] & 0xf0u);
+      else b.codes[j - 16] = static_cast<std::uint8_t>(b.codes[j - 16] & 0x0fu);
+    }
   }
 }
 
 void quantize_values(const half* src, std::size_t src_stride, std::uint32_t tokens,
                      std::uint32_t head_dim, q4_block* dst) {
   const unsigned nb = (head_dim + 31u) / 32u;
+  const half* x[W];
+  unsigned n[W];
+  q4_block* out[W];
+  unsigned count = 0;
   for (std::uint32_t t = 0; t < tokens; ++t)
-    for (unsigned g = 0; g < nb; ++g)
-      quantize_value_group(src + t * src_stride + g * 32u, umin(32u, head_dim - g * 32u),
-                           dst[t * nb + g]);
+    for (unsigned g = 0; g < nb; ++g) {
+      x[count] = src + t * src_stride + g * 32u;
+      n[count] = umin(32u, head_dim - g * 32u);
+      out[count] = dst + t * nb + g;
+      if (++count == W) {
+        quantize_value_batch(x, n, count, out);
+        count = 0;
+      }
+    }
+  if (count != 0) quantize_value_batch(x, n, count, out);
 }
 
 // In-register 16x16 byte transpose: four rounds of "interleave row i with row i + 8" rotate the
@@ -446,16 +463,12 @@ void scores_q4_nq(const float* q, const q4_block* k, unsigned tokens, unsigned h
   for (unsigned j = 0; j < NQ * R; ++j) acc[j] = V::zero();
   for (unsigned i = 0; i < NQ; ++i) mc[i] = V::zero();
   alignas(64) float qs[NQ][DC];  // folded query q_d * scale_d
-  half sc[DC], mn[DC];
   for (unsigned d0 = 0; d0 < hd; d0 += DC) {
     const unsigned nd = umin(DC, hd - d0);
-    for (unsigned j = 0; j < nd; ++j) {
-      sc[j] = k[d0 + j].scale;
-      mn[j] = k[d0 + j].min;
-    }
     for (unsigned j = 0; j < nd; j += W) {
       const unsigned n = umin(W, nd - j);
-      const vf s = V::load_n(sc + j, n), m = V::load_n(mn + j, n);
+      vf s, m;
+      V::scale_min(k + d0 + j, 1, n, s, m);
       for (unsigned i = 0; i < NQ; ++i) {
         const vf qv = V::load_n(q + i * hd + d0 + j, n);
         V::store(qs[i] + j, V::mul(qv, s));
@@ -518,19 +531,15 @@ void acc_q4_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned
   constexpr unsigned R = 32 / W;
   const unsigned nb = (hd + 31u) / 32u;
   alignas(64) float ws[NQ][32];  // p * scale per token of the tile
-  half sc[32], mn[32];
   for (unsigned t0 = 0; t0 < tokens; t0 += 32) {
     const unsigned nt = umin(32u, tokens - t0);
     for (unsigned g = 0; g < nb; ++g) {
-      for (unsigned j = 0; j < nt; ++j) {
-        sc[j] = v[(t0 + j) * nb + g].scale;
-        mn[j] = v[(t0 + j) * nb + g].min;
-      }
       vf pm[NQ];
       for (unsigned i = 0; i < NQ; ++i) pm[i] = V::zero();
       for (unsigned j = 0; j < nt; j += W) {
         const unsigned n = umin(W, nt - j);
-        const vf s = V::load_n(sc + j, n), m = V::load_n(mn + j, n);
+        vf s, m;
+        V::scale_min(v + std::size_t(t0 + j) * nb + g, nb, n, s, m);
         for (unsigned i = 0; i < NQ; ++i) {
           const vf pv = V::load_n(p + i * p_stride + t0 + j, n);
           V::store(ws[i] + j, V::mul(pv, s));

@@ -1,0 +1,78 @@
+// Memory bandwidth baselines every other benchmark is read against (see bench_common.hpp):
+// BM_read streams a 256 MiB buffer, BM_memcpy copies 128 MiB into another 128 MiB (read + write
+// counted), each with 1 and 2 threads (threads split the buffer).
+#include "bench_common.hpp"
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr std::size_t read_bytes = std::size_t{256} << 20;
+constexpr std::size_t copy_bytes = std::size_t{128} << 20;
+
+const kvcache::bench::buffer& read_buffer() {
+  static const kvcache::bench::buffer b(read_bytes);
+  return b;
+}
+const kvcache::bench::buffer& copy_source() {
+  static const kvcache::bench::buffer b(copy_bytes);
+  return b;
+}
+const kvcache::bench::buffer& copy_destination() {
+  static const kvcache::bench::buffer b(copy_bytes);
+  return b;
+}
+
+// Sum with eight independent accumulators so the loop is bound by loads, not by an add chain.
+std::uint64_t sum_words(const std::uint64_t* p, std::size_t n) {
+  std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a0 += p[i];
+    a1 += p[i + 1];
+    a2 += p[i + 2];
+    a3 += p[i + 3];
+    a4 += p[i + 4];
+    a5 += p[i + 5];
+    a6 += p[i + 6];
+    a7 += p[i + 7];
+  }
+  for (; i < n; ++i) a0 += p[i];
+  return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
+
+void BM_read(benchmark::State& state) {
+  const auto& buf = read_buffer();
+  if (!buf) {
+    state.SkipWithError("allocation failed");
+    return;
+  }
+  const std::size_t per_thread = read_bytes / static_cast<std::size_t>(state.threads());
+  const auto* words = buf.as<std::uint64_t>() + per_thread / 8 * static_cast<std::size_t>(state.thread_index());
+  for (auto _ : state) benchmark::DoNotOptimize(sum_words(words, per_thread / 8));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(per_thread));
+}
+BENCHMARK(BM_read)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_read)->UseRealTime()->Unit(benchmark::kMillisecond)->Threads(2);
+
+void BM_memcpy(benchmark::State& state) {
+  const auto& src = copy_source();
+  const auto& dst = copy_destination();
+  if (!src || !dst) {
+    state.SkipWithError("allocation failed");
+    return;
+  }
+  const std::size_t per_thread = copy_bytes / static_cast<std::size_t>(state.threads());
+  const std::size_t off = per_thread * static_cast<std::size_t>(state.thread_index());
+  for (auto _ : state) {
+    std::memcpy(dst.as<std::byte>() + off, src.as<std::byte>() + off, per_thread);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 * static_cast<std::int64_t>(per_thread));
+  kvcache::bench::compare_to_memcpy(state);
+}
+BENCHMARK(BM_memcpy)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_memcpy)->UseRealTime()->Unit(benchmark::kMillisecond)->Threads(2);
+
+}  // namespace

@@ -1,0 +1,239 @@
+// The CPU kernels of every ISA this machine supports: BM_<op>/<format>/<isa>[/nq:N].
+// Working sets are sized past the caches for the streaming kernels (conversions, scores,
+// accumulate: 8 KV heads x 32k tokens x 128 channels) and to a migration batch for Q4
+// quantization. Bytes = what the kernel must read + write; items = values (codecs) or tokens.
+#include "bench_common.hpp"
+
+#include <kvcache/format.hpp>
+#include <kvcache/kernels.hpp>
+
+#include <string>
+
+namespace {
+
+using kvcache::half;
+using kvcache::isa;
+using kvcache::q4_block;
+namespace kernels = kvcache::kernels;
+namespace kb = kvcache::bench;
+
+constexpr std::uint32_t head_dim = 128;
+constexpr std::uint32_t heads = 8;
+constexpr std::uint32_t ctx_tokens = 32768;                          // per head
+constexpr std::size_t ctx_values = std::size_t{heads} * ctx_tokens * head_dim;  // 32 Mi values
+constexpr std::uint32_t ctx_groups = ctx_tokens / kvcache::q4_group;  // key groups per head
+constexpr std::size_t convert_n = std::size_t{16} << 20;            // 16 Mi values
+
+// Lazily built, shared inputs. // [head][token][head_dim]
+const half* f16_cache() {
+  static const kb::buffer b = [] {
+    kb::buffer x(ctx_values * sizeof(half));
+    kb::fill_normal(x.as<half>(), ctx_values);
+    return x;
+  }();
+  return b.as<half>();
+}
+const float* f32_cache() {
+  static const kb::buffer b = [] {
+    kb::buffer x(ctx_values * sizeof(float));
+    kb::fill_normal(x.as<float>(), ctx_values);
+    return x;
+  }();
+  return b.as<float>();
+}
+// Keys: [head][group][head_dim] blocks; values: [head][token][head_dim / 32] blocks.
+const q4_block* q4_keys() {
+  static const kb::buffer b = [] {
+    kb::buffer x(std::size_t{heads} * ctx_groups * head_dim * sizeof(q4_block));
+    const half* src = f16_cache();
+    const kernels::table& t = *kernels::find(isa::scalar);
+    for (std::size_t g = 0; g < std::size_t{heads} * ctx_groups; ++g)
+      t.quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, x.as<q4_block>() + g * head_dim);
+    return x;
+  }();
+  return b.as<q4_block>();
+}
+const q4_block* q4_values() {
+  static const kb::buffer b = [] {
+    constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
+    kb::buffer x(ctx_values / head_dim * nb * sizeof(q4_block));
+    kernels::find(isa::scalar)
+        ->quantize_values(f16_cache(), head_dim, heads * ctx_tokens, head_dim, x.as<q4_block>());
+    return x;
+  }();
+  return b.as<q4_block>();
+}
+
+std::int64_t i64(std::size_t v) { return static_cast<std::int64_t>(v); }
+
+void f32_to_f16(benchmark::State& s, const kernels::table* t) {
+  const float* src = f32_cache();
+  kb::buffer dst(convert_n * sizeof(half));
+  for (auto _ : s) {
+    t->f32_to_f16(src, dst.as<half>(), convert_n);
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(convert_n * 6));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(convert_n));
+  kb::compare_to_memcpy(s);
+}
+
+void f16_to_f32(benchmark::State& s, const kernels::table* t) {
+  const half* src = f16_cache();
+  kb::buffer dst(convert_n * sizeof(float));
+  for (auto _ : s) {
+    t->f16_to_f32(src, dst.as<float>(), convert_n);
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(convert_n * 6));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(convert_n));
+  kb::compare_to_memcpy(s);
+}
+
+// Q4 migration: groups of 32 tokens x 128 channels, 4 Mi values (8 MiB of f16) per pass.
+constexpr std::size_t migrate_groups = 1024;
+
+void quantize_keys(benchmark::State& s, const kernels::table* t) {
+  const half* src = f16_cache();
+  kb::buffer dst(migrate_groups * head_dim * sizeof(q4_block));
+  for (auto _ : s) {
+    for (std::size_t g = 0; g < migrate_groups; ++g)
+      t->quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<q4_block>() + g * head_dim);
+    benchmark::ClobberMemory();
+  }
+  const std::size_t values = migrate_groups * 32 * head_dim;
+  s.SetItemsProcessed(i64(s.iterations()) * i64(values));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * head_dim * sizeof(q4_block)));
+  kb::compare_to_memcpy(s);
+}
+
+void quantize_values(benchmark::State& s, const kernels::table* t) {
+  const half* src = f16_cache();
+  constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
+  kb::buffer dst(migrate_groups * 32 * nb * sizeof(q4_block));
+  for (auto _ : s) {
+    for (std::size_t g = 0; g < migrate_groups; ++g)
+      t->quantize_values(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<q4_block>() + g * 32 * nb);
+    benchmark::ClobberMemory();
+  }
+  const std::size_t values = migrate_groups * 32 * head_dim;
+  s.SetItemsProcessed(i64(s.iterations()) * i64(values));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * 32 * nb * sizeof(q4_block)));
+  kb::compare_to_memcpy(s);
+}
+
+void dequantize_keys(benchmark::State& s, const kernels::table* t) {
+  const q4_block* src = q4_keys();
+  kb::buffer dst(std::size_t{32} * head_dim * sizeof(float));
+  for (auto _ : s) {
+    for (std::size_t g = 0; g < migrate_groups; ++g)
+      t->dequantize_keys(src + g * head_dim, 32, head_dim, dst.as<float>(), head_dim);
+    benchmark::ClobberMemory();
+  }
+  const std::size_t values = migrate_groups * 32 * head_dim;
+  s.SetItemsProcessed(i64(s.iterations()) * i64(values));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(migrate_groups * head_dim * sizeof(q4_block)));
+}
+
+// Decode attention inner products over one layer: 8 KV heads x 32k tokens, nq queries per head.
+template <class K>
+void scores_dense(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+  const K* k;
+  if constexpr (std::is_same_v<K, half>) k = f16_cache();
+  else k = f32_cache();
+  kb::buffer q(std::size_t{nq} * head_dim * sizeof(float)), out(std::size_t{nq} * ctx_tokens * sizeof(float));
+  kb::fill_normal(q.as<float>(), std::size_t{nq} * head_dim);
+  for (auto _ : s) {
+    for (std::uint32_t h = 0; h < heads; ++h) {
+      const K* kh = k + std::size_t{h} * ctx_tokens * head_dim;
+      if constexpr (std::is_same_v<K, half>)
+        t->scores_f16(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens);
+      else
+        t->scores_f32(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens);
+    }
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(ctx_values * sizeof(K)));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
+}
+
+template <class V>
+void accumulate_dense(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+  const V* v;
+  if constexpr (std::is_same_v<V, half>) v = f16_cache();
+  else v = f32_cache();
+  kb::buffer p(std::size_t{nq} * ctx_tokens * sizeof(float)), acc(std::size_t{nq} * head_dim * sizeof(float));
+  kb::fill_normal(p.as<float>(), std::size_t{nq} * ctx_tokens, 0.01f);
+  for (auto _ : s) {
+    for (std::uint32_t h = 0; h < heads; ++h) {
+      const V* vh = v + std::size_t{h} * ctx_tokens * head_dim;
+      if constexpr (std::is_same_v<V, half>)
+        t->accumulate_f16(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>());
+      else
+        t->accumulate_f32(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>());
+    }
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(ctx_values * sizeof(V)));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
+}
+
+void scores_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+  const q4_block* k = q4_keys();
+  kb::buffer q(std::size_t{nq} * head_dim * sizeof(float)), out(std::size_t{nq} * ctx_tokens * sizeof(float));
+  kb::fill_normal(q.as<float>(), std::size_t{nq} * head_dim);
+  for (auto _ : s) {
+    for (std::uint32_t h = 0; h < heads; ++h)
+      for (std::uint32_t g = 0; g < ctx_groups; ++g)
+        t->scores_q4(q.as<float>(), nq, k + (std::size_t{h} * ctx_groups + g) * head_dim, 32, head_dim,
+                     out.as<float>() + g * 32, ctx_tokens);
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_groups * head_dim * sizeof(q4_block)));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
+}
+
+void accumulate_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+  const q4_block* v = q4_values();
+  constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
+  kb::buffer p(std::size_t{nq} * ctx_tokens * sizeof(float)), acc(std::size_t{nq} * head_dim * sizeof(float));
+  kb::fill_normal(p.as<float>(), std::size_t{nq} * ctx_tokens, 0.01f);
+  for (auto _ : s) {
+    for (std::uint32_t h = 0; h < heads; ++h)
+      t->accumulate_q4(p.as<float>(), ctx_tokens, nq, v + std::size_t{h} * ctx_tokens * nb, ctx_tokens, head_dim,
+                       acc.as<float>());
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens * nb * sizeof(q4_block)));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
+}
+
+template <class F>
+void add(const std::string& name, F f) {
+  benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+[[maybe_unused]] const bool registered = [] {
+  for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon}) {
+    const kernels::table* t = kernels::find(i);
+    if (t == nullptr) continue;
+    const std::string is(kvcache::to_string(i));
+    add("BM_f32_to_f16/" + is, [t](benchmark::State& s) { f32_to_f16(s, t); });
+    add("BM_f16_to_f32/" + is, [t](benchmark::State& s) { f16_to_f32(s, t); });
+    add("BM_quantize_keys/q4/" + is, [t](benchmark::State& s) { quantize_keys(s, t); });
+    add("BM_quantize_values/q4/" + is, [t](benchmark::State& s) { quantize_values(s, t); });
+    add("BM_dequantize_keys/q4/" + is, [t](benchmark::State& s) { dequantize_keys(s, t); });
+    for (std::uint32_t nq : {1u, 4u, 8u}) {
+      const std::string suffix = is + "/nq:" + std::to_string(nq);
+      add("BM_scores/f16/" + suffix, [t, nq](benchmark::State& s) { scores_dense<half>(s, t, nq); });
+      add("BM_scores/f32/" + suffix, [t, nq](benchmark::State& s) { scores_dense<float>(s, t, nq); });
+      add("BM_scores/q4/" + suffix, [t, nq](benchmark::State& s) { scores_q4(s, t, nq); });
+      add("BM_accumulate/f16/" + suffix, [t, nq](benchmark::State& s) { accumulate_dense<half>(s, t, nq); });
+      add("BM_accumulate/f32/" + suffix, [t, nq](benchmark::State& s) { accumulate_dense<float>(s, t, nq); });
+      add("BM_accumulate/q4/" + suffix, [t, nq](benchmark::State& s) { accumulate_q4(s, t, nq); });
+    }
+  }
+  return true;
+}();
+
+}  // namespace
