@@ -12,13 +12,14 @@ namespace {
 __global__ void append_kernel(append_params p) {
   const std::uint32_t row = blockIdx.x;
   const std::uint32_t head = blockIdx.y;
-  std::uint32_t n = 0, len = 0, first_row = 0;
+  std::uint32_t n = 0, len = 0, first_row = 0, first_page = 0;
   const std::uint32_t* pages = nullptr;
   if (p.single_pages != nullptr) {
     if (row >= p.max_rows) return;
     n = p.max_rows;
     len = p.single_length;
     pages = p.single_pages;
+    first_page = p.single_first_page;
   } else {
     const std::uint32_t batch = p.table.batch;
     if (row >= p.src_indptr[batch]) return;
@@ -38,7 +39,8 @@ __global__ void append_kernel(append_params p) {
   }
   if (n > len) return;  // table does not count the new rows: nothing valid to write
   const std::uint32_t pos = len - n + (row - first_row);
-  const std::uint32_t page = pages[pos / p.dst.page_tokens];
+  if (pos / p.dst.page_tokens < first_page) return;  // outside the pages given
+  const std::uint32_t page = pages[pos / p.dst.page_tokens - first_page];
   const std::uint32_t slot = pos % p.dst.page_tokens;
   const std::size_t src_off = (static_cast<std::size_t>(row) * p.kv_heads + head) * p.head_dim;
   const std::size_t dst_elem = static_cast<std::size_t>(slot) * p.head_dim;

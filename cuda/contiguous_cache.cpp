@@ -49,6 +49,7 @@ struct contiguous_cache<cuda>::impl {
   std::uint64_t epoch = 0;                 // bumped by every successful state change
   std::uint64_t prepared_epoch = ~0ull;    // epoch of the last prepare
   std::uint32_t prepared_rows = 0;
+  std::size_t prepared_longest = 0;  // longest table length of the prepared batch
 
   explicit impl(const contiguous_config& c, const cuda& w) : cfg(c), where(w), ids(c.max_sequences), seqs(c.max_sequences) {}
 
@@ -392,9 +393,11 @@ result<void> contiguous_cache<cuda>::prepare(std::span<const seq_id> batch) {
   m.h_indices.clear();
   m.h_last.clear();
   m.h_src.assign(1, 0u);
+  std::size_t longest = 0;
   for (const std::uint32_t slot : m.next_slots) {
     const impl::sequence& s = m.seqs[slot];
     const auto len = static_cast<std::uint32_t>(s.length + s.pending);
+    longest = std::max<std::size_t>(longest, len);
     if (len > 0) m.h_indices.push_back(slot);
     m.h_indptr.push_back(static_cast<std::uint32_t>(m.h_indices.size()));
     m.h_last.push_back(len);
@@ -412,6 +415,7 @@ result<void> contiguous_cache<cuda>::prepare(std::span<const seq_id> batch) {
   }
   std::swap(m.batch_slots, m.next_slots);
   m.prepared_rows = m.h_src.back();
+  m.prepared_longest = longest;
   m.prepared_epoch = m.epoch;
   return {};
 }
@@ -483,7 +487,15 @@ result<void> contiguous_cache<cuda>::attend(std::uint32_t layer, const attention
   p.out = out;
   p.scale = ap.scale;
   p.split_tokens = opt.split_tokens;
-  p.max_splits[0] = static_cast<std::uint32_t>((m.cfg.capacity_tokens + opt.split_tokens - 1) / opt.split_tokens);
+  const std::size_t cover = opt.max_tokens != 0 ? opt.max_tokens : m.cfg.capacity_tokens;
+  if (cover < m.prepared_longest)
+    return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
+                {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
+  const std::size_t splits = (cover + opt.split_tokens - 1) / opt.split_tokens;
+  if (splits > 65535)
+    return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
+                {{"splits", static_cast<long long>(splits)}, {"split_tokens", opt.split_tokens}});
+  p.max_splits[0] = static_cast<std::uint32_t>(splits);
   const std::size_t need = cuda_attend_workspace_bytes(p);
   if (need > 0 && workspace.size() < need) {
     result<device_buffer> grown = device_buffer::make(m.where, need);

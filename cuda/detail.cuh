@@ -152,7 +152,10 @@ class pinned_uploader {
     std::swap(done_, o.done_);
   }
   void reset() noexcept {
-    if (done_ != nullptr) (void)cudaEventDestroy(done_);
+    if (done_ != nullptr) {
+      (void)cudaEventSynchronize(done_);  // the last copy may still read the pinned memory
+      (void)cudaEventDestroy(done_);
+    }
     if (host_ != nullptr) (void)cudaFreeHost(host_);
     done_ = nullptr;
     host_ = nullptr;

@@ -41,9 +41,13 @@ namespace kvcache {
 
 /// Options of the device decode attention of a cuda cache.
 struct cuda_attend_options {
-  /// Tokens per flash-decoding split (a multiple of 32). Splits per sequence are fixed from the
-  /// cache's capacity, so one launch configuration serves every length (CUDA-graph friendly).
+  /// Tokens per flash-decoding split (a multiple of 32).
   std::uint32_t split_tokens = 512;
+  /// Longest sequence the launch covers: splits per sequence = ceil(max_tokens / split_tokens).
+  /// 0: the cache's capacity_tokens for a contiguous cache, the longest sequence of the prepared
+  /// batch for a paged cache. A CUDA graph captured with a fixed value stays valid while every
+  /// sequence stays within it; invalid_argument when a prepared sequence is longer.
+  std::size_t max_tokens = 0;
 };
 
 /// Contiguous cache in CUDA device memory. Move-only; one host thread at a time.

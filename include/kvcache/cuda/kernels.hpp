@@ -69,11 +69,12 @@ struct append_params {
   std::uint32_t kv_heads = 0;
   std::uint32_t head_dim = 0;
   /// Host-side single-sequence form, so a one-sequence write needs no device table: when
-  /// single_pages != nullptr, the batch is one sequence whose page ids are the device array
-  /// single_pages, whose length after the append is single_length tokens, and whose new rows are
-  /// rows 0 .. max_rows - 1.
+  /// single_pages != nullptr, the batch is one sequence whose length after the append is
+  /// single_length tokens, whose new rows are rows 0 .. max_rows - 1, and whose page i (i >=
+  /// single_first_page) is the device value single_pages[i - single_first_page].
   const std::uint32_t* single_pages = nullptr;
   std::uint32_t single_length = 0;
+  std::uint32_t single_first_page = 0;
 };
 
 /// Validates and enqueues the append kernel. errc::invalid_argument for a null pointer, a zero
