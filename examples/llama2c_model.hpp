@@ -12,6 +12,7 @@
 /// [seq_len][head_size/2] (skipped), then wcls [vocab][dim] only when vocab_size < 0.
 
 #include <kvcache/error.hpp>
+#include <kvcache/half.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -241,12 +242,14 @@ std::span<const float> forward(const model& m, run_state& s, std::uint32_t token
   return s.logits;
 }
 
-/// Reference attention without a cache: keeps every key and value in float and computes
-/// attention with a float64 softmax. Also the way to capture real K/V activations: keys(layer)
-/// is [pos][kv_heads][head_size] (post-RoPE), values(layer) likewise.
+/// Reference attention without a cache: keeps every key and value in float (rounded to FP16
+/// first when `f16_storage`, as an f16 cache holds them) and computes attention in float64. Also
+/// the way to capture real K/V activations: keys(layer) is [pos][kv_heads][head_size]
+/// (post-RoPE), values(layer) likewise.
 class reference_attention {
  public:
-  explicit reference_attention(const config& c) : c_(c), k_(c.layers), v_(c.layers) {}
+  explicit reference_attention(const config& c, bool f16_storage = false)
+      : c_(c), f16_(f16_storage), k_(c.layers), v_(c.layers) {}
 
   void operator()(std::uint32_t layer, std::size_t pos, std::span<const float> q, std::span<const float> k,
                   std::span<const float> v, std::span<float> out) {
@@ -257,6 +260,11 @@ class reference_attention {
     V.resize(pos * kv);
     K.insert(K.end(), k.begin(), k.end());
     V.insert(V.end(), v.begin(), v.end());
+    if (f16_)
+      for (std::size_t i = pos * kv; i < K.size(); ++i) {
+        K[i] = kvcache::to_float(kvcache::to_half(K[i]));
+        V[i] = kvcache::to_float(kvcache::to_half(V[i]));
+      }
     const std::size_t n = pos + 1;
     scores_.resize(n);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
@@ -286,6 +294,7 @@ class reference_attention {
 
  private:
   config c_;
+  bool f16_;
   std::vector<std::vector<float>> k_, v_;  // [layer][pos][kv_heads][head_size]
   std::vector<double> scores_;
 };
