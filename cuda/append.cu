@@ -116,12 +116,22 @@ __global__ void migrate_kernel(migrate_params p) {
                                          p.dst_page[pair] * p.dst.k_page_stride + head * p.dst.k_head_stride);  // [D]
   auto* dv = reinterpret_cast<q4_block*>(static_cast<std::byte*>(p.dst.v) + layer * p.dst_layer_stride_v +
                                          p.dst_page[pair] * p.dst.v_page_stride + head * p.dst.v_head_stride);  // [token][nb]
-  for (std::uint32_t d = threadIdx.x; d < D; d += blockDim.x) quantize_group(sk + d, D, p.tokens, dk + d);
-  const std::uint32_t nb = q4_value_blocks(D);
-  for (std::uint32_t i = threadIdx.x; i < p.tokens * nb; i += blockDim.x) {
-    const std::uint32_t t = i / nb, g = i % nb;
-    const std::uint32_t n = min(q4_group, D - g * q4_group);
-    quantize_group(sv + static_cast<std::size_t>(t) * D + g * q4_group, 1, n, dv + i);
+  if (p.dst.k_format == format::q4) {
+    for (std::uint32_t d = threadIdx.x; d < D; d += blockDim.x) quantize_group(sk + d, D, p.tokens, dk + d);
+  } else {  // f16 store group: a plain copy of the rows
+    auto* out = reinterpret_cast<std::uint16_t*>(dk);
+    for (std::uint32_t i = threadIdx.x; i < p.tokens * D; i += blockDim.x) out[i] = sk[i];
+  }
+  if (p.dst.v_format == format::q4) {
+    const std::uint32_t nb = q4_value_blocks(D);
+    for (std::uint32_t i = threadIdx.x; i < p.tokens * nb; i += blockDim.x) {
+      const std::uint32_t t = i / nb, g = i % nb;
+      const std::uint32_t n = min(q4_group, D - g * q4_group);
+      quantize_group(sv + static_cast<std::size_t>(t) * D + g * q4_group, 1, n, dv + i);
+    }
+  } else {
+    auto* out = reinterpret_cast<std::uint16_t*>(dv);
+    for (std::uint32_t i = threadIdx.x; i < p.tokens * D; i += blockDim.x) out[i] = sv[i];
   }
 }
 
@@ -159,9 +169,12 @@ result<void> cuda_migrate(const cuda& where, const migrate_params& p) {
     return fail(errc::invalid_argument, "cuda_migrate: pair count", {{"count", p.count}, {"max", cuda_max_migrations}});
   if (p.tokens == 0 || p.tokens > q4_group)
     return fail(errc::invalid_argument, "cuda_migrate: tokens per group must be 1..32", {{"tokens", p.tokens}});
-  if (p.src.k_format != format::f16 || p.src.v_format != format::f16 || p.dst.k_format != format::q4 ||
-      p.dst.v_format != format::q4)
-    return fail(errc::invalid_argument, "cuda_migrate: source must be f16 and destination q4");
+  auto store = [](format f) { return f == format::q4 || f == format::f16; };
+  if (p.src.k_format != format::f16 || p.src.v_format != format::f16 || !store(p.dst.k_format) ||
+      !store(p.dst.v_format))
+    return fail(errc::invalid_argument, "cuda_migrate: source must be f16 and destination q4 or f16",
+                {{"dst_k_format", static_cast<long long>(p.dst.k_format)},
+                 {"dst_v_format", static_cast<long long>(p.dst.v_format)}});
   if (p.src.k == nullptr || p.src.v == nullptr || p.dst.k == nullptr || p.dst.v == nullptr)
     return fail(errc::invalid_argument, "cuda_migrate: null page pointer");
   if (p.kv_heads > 65535 || p.layers > 65535)

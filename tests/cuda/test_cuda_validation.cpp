@@ -183,7 +183,7 @@ TEST(cuda_validation, migrate_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.tokens = 33; }), "tokens 33");
   expect_error(errc::invalid_argument, with([](auto& p) { p.tokens = 0; }), "tokens 0");
   expect_error(errc::invalid_argument, with([](auto& p) { p.src.k_format = format::f32; }), "f32 source");
-  expect_error(errc::invalid_argument, with([](auto& p) { p.dst.v_format = format::f16; }), "f16 destination");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.dst.v_format = format::f32; }), "f32 destination");
   expect_error(errc::invalid_argument, with([](auto& p) { p.layers = 0; }), "layers 0");
 }
 

@@ -120,11 +120,12 @@ inline constexpr std::uint32_t cuda_max_migrations = 32;
 
 /// Q4 migration: quantizes FP16 pages of up to 32 tokens into Q4 pages (keys per channel over
 /// the tokens, values per token over 32 channels), bit-identical to the scalar CPU reference
-/// (kernels::find(isa::scalar)->quantize_keys / quantize_values). One launch covers `count` page
-/// pairs for `layers` layers: layer l's pages are at src/dst base + l * layer_stride.
+/// (kernels::find(isa::scalar)->quantize_keys / quantize_values); a destination in f16 (an FP16
+/// store group) receives a plain copy. One launch covers `count` page pairs for `layers` layers:
+/// layer l's pages are at src/dst base + l * layer_stride.
 struct migrate_params {
   device_pages src;            ///< f16 pages
-  device_pages dst;            ///< q4 pages (page_tokens 32)
+  device_pages dst;            ///< q4 or f16 pages (page_tokens 32), formats chosen for K and V separately
   std::uint64_t src_layer_stride_k = 0;  ///< bytes between layers of src.k
   std::uint64_t src_layer_stride_v = 0;  ///< bytes between layers of src.v
   std::uint64_t dst_layer_stride_k = 0;  ///< bytes between layers of dst.k
