@@ -1,0 +1,131 @@
+// BM_attend/<cache>/<format>/<isa>/ctx:<tokens>/t:<threads>: decode attention of one sequence
+// (1 layer, 8 KV heads x 128 head_dim, 32 query heads) over a real cache holding `tokens` tokens:
+// contiguous f16, paged f16 (16-token blocks) and two-tier Q4 (128-token f16 tail). Bytes
+// processed = the K+V bytes the view holds (what attend must read); items = tokens/s of decode
+// (one query token per step). t: attend's own thread count (attention_params::threads).
+#include "bench_common.hpp"
+
+#include <kvcache/attend.hpp>
+#include <kvcache/contiguous_cache.hpp>
+#include <kvcache/isa.hpp>
+#include <kvcache/kernels.hpp>
+#include <kvcache/paged_cache.hpp>
+#include <kvcache/two_tier_cache.hpp>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace kvcache;
+
+constexpr std::uint32_t kv_heads = 8, head_dim = 128, q_heads = 32;
+const geometry shape{1, kv_heads, head_dim};
+
+/// K+V bytes a view holds: what attention over it reads.
+std::size_t view_bytes(const layer_view& v) {
+  std::size_t b = 0;
+  for (const chunk& c : v) {
+    for (int which = 0; which < 2; ++which) {
+      const format f = which == 0 ? c.k_format : c.v_format;
+      if (f == format::q4)
+        b += which == 0 ? sizeof(q4_block) * head_dim : sizeof(q4_block) * q4_value_blocks(head_dim) * c.tokens;
+      else
+        b += dense_element_bytes(f) * c.tokens * head_dim;
+    }
+  }
+  return b * kv_heads;
+}
+
+/// Appends `tokens` random tokens to sequence s, 1024 at a time.
+template <class C>
+bool fill(C& cache, seq_id s, std::size_t tokens) {
+  constexpr std::size_t step = 1024;
+  std::vector<float> k(step * shape.token_width()), v(k.size());
+  for (std::size_t t = 0; t < tokens; t += step) {
+    const std::size_t n = std::min(step, tokens - t);
+    bench::fill_normal(k.data(), n * shape.token_width(), 1.0f, 1 + t);
+    bench::fill_normal(v.data(), n * shape.token_width(), 1.0f, 2 + t);
+    if (!cache.reserve(s, n)) return false;
+    const std::span<const float> ks(k.data(), n * shape.token_width()), vs(v.data(), n * shape.token_width());
+    if (!cache.write(s, 0, ks, vs) || !cache.commit(s)) return false;
+  }
+  return true;
+}
+
+template <class C>
+void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
+  const isa before = active_isa();
+  if (!force_isa(which)) return state.SkipWithError("ISA not supported");
+  const result<seq_id> s = cache.create();
+  if (!s || !fill(cache, *s, tokens)) return state.SkipWithError("cache fill failed");
+  const layer_view view = cache.view(*s, 0).value();
+  std::vector<float> q(q_heads * head_dim), out(q.size());
+  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
+  attention_workspace ws;
+  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
+  if (!ws.reserve(p)) return state.SkipWithError("workspace");
+  for (auto _ : state) {
+    const result<void> r = attend(p, std::span(&view, 1), q, out, ws);
+    if (!r) {
+      state.SkipWithError(r.error().message.c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(view)));
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["context"] = static_cast<double>(tokens);
+  (void)force_isa(before);
+}
+
+void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+  auto c = contiguous_cache<>::create({shape, format::f16, 1, tokens});
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  run(state, *c, which, tokens, threads);
+}
+
+void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+  paged_config<> pc;
+  pc.shape = shape;
+  pc.storage = format::f16;
+  pc.block_tokens = 16;
+  pc.budget_bytes = (tokens + 16) * shape.token_width() * 2 * 2;
+  pc.expected_tokens = tokens;
+  auto c = paged_cache<>::create(pc);
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  run(state, *c, which, tokens, threads);
+}
+
+void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+  two_tier_config tc;
+  tc.shape = shape;
+  auto c = two_tier_cache<>::create(tc);
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  run(state, *c, which, tokens, threads);
+}
+
+const bool registered = [] {
+  using fn = void (*)(benchmark::State&, isa, std::size_t, unsigned);
+  const struct {
+    const char* name;
+    fn f;
+  } caches[] = {{"contiguous/f16", contiguous_f16}, {"paged/f16", paged_f16}, {"two_tier/q4", two_tier_q4}};
+  for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon}) {
+    if (kernels::find(i) == nullptr) continue;
+    for (std::size_t tokens : {std::size_t{4096}, std::size_t{32768}})
+      for (unsigned threads : {1u, 2u})
+        for (const auto& c : caches) {
+          const std::string name = std::string("BM_attend/") + c.name + "/" + std::string(to_string(i)) +
+                                   "/ctx:" + std::to_string(tokens) + "/t:" + std::to_string(threads);
+          benchmark::RegisterBenchmark(name.c_str(), [f = c.f, i, tokens, threads](benchmark::State& st) {
+            f(st, i, tokens, threads);
+          })->UseRealTime()->Unit(benchmark::kMicrosecond);
+        }
+  }
+  return true;
+}();
+
+}  // namespace

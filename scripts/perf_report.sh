@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Decode-attention performance report (DESIGN.md section 3): runs kvcache_bench once, filtered to
+# the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16,
+# paged f16 and two-tier Q4 at 4k and 32k tokens (8 KV heads x 128, 32 query heads, 1 layer):
+# tokens/s, K+V bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the
+# same run with the same thread count, and the ratios paged/contiguous and two-tier/f16.
+#
+# usage: scripts/perf_report.sh [build-dir] [isa]
+#   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
+#   isa        scalar|avx2|avx512|neon (default: the best this CPU supports)
+# Environment: KVCACHE_BENCH_MIN_TIME (seconds per benchmark, default 0.5).
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$repo/build}"
+isa="${2:-}"
+min_time="${KVCACHE_BENCH_MIN_TIME:-0.5}"
+
+if [[ ! -x "$build/bench/kvcache_bench" ]]; then
+  cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCACHE_BUILD_BENCH=ON >/dev/null
+  cmake --build "$build" --target kvcache_bench
+fi
+bench="$build/bench/kvcache_bench"
+
+if [[ -z "$isa" ]]; then
+  for candidate in avx512 avx2 neon scalar; do
+    if "$bench" --benchmark_list_tests --benchmark_filter="^BM_attend/.*/$candidate/" | grep -q .; then
+      isa="$candidate"
+      break
+    fi
+  done
+fi
+
+out="$(mktemp)"
+trap 'rm -f "$out"' EXIT
+"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|two_tier)/[^/]+/$isa/" \
+  --benchmark_min_time="$min_time" --benchmark_out="$out" --benchmark_out_format=json >&2
+
+python3 - "$out" "$isa" <<'EOF'
+import json, re, sys
+
+data = json.load(open(sys.argv[1]))
+isa = sys.argv[2]
+read = {}   # threads -> bytes/s of BM_read
+rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s)
+for b in data["benchmarks"]:
+    if b.get("run_type") == "aggregate" or b.get("error_occurred"):
+        continue
+    name = b["name"]
+    if name.startswith("BM_read"):
+        read[int(b.get("threads", 1))] = b["bytes_per_second"]
+        continue
+    m = re.match(r"BM_attend/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
+    if m:
+        rows[(m.group(1) + " " + m.group(2), int(m.group(4)), int(m.group(5)))] = (b["tokens_per_s"], b["bytes_per_second"])
+
+ctx = data.get("context", {})
+print(f"\ndecode attention, 1 sequence, 8 KV heads x 128, 32 query heads; ISA {isa}; "
+      f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}")
+for t, bw in sorted(read.items()):
+    print(f"streaming read (BM_read, {t} thread{'s' if t > 1 else ''}): {bw / 1e9:.2f} GB/s")
+print()
+print(f"{'cache':<16} {'context':>8} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9}")
+for (cache, n, t), (tps, bps) in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    ratio = bps / read[t] if t in read else float("nan")
+    print(f"{cache:<16} {n:>8} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f}")
+print()
+print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>17} {'two-tier/f16':>13}   (tokens/s ratios; targets >= 0.9, >= 2.5)")
+for n in sorted({k[1] for k in rows}):
+    for t in sorted({k[2] for k in rows}):
+        c = rows.get(("contiguous f16", n, t))
+        p = rows.get(("paged f16", n, t))
+        q = rows.get(("two_tier q4", n, t))
+        if c:
+            pc = f"{p[0] / c[0]:.3f}" if p else "-"
+            qc = f"{q[0] / c[0]:.3f}" if q else "-"
+            print(f"{n:>8} {t:>7} {pc:>17} {qc:>13}")
+EOF
