@@ -41,6 +41,13 @@ banner() {
 summary=()
 current_stage=""
 stage_start=0
+stage_cpu0=0
+
+# CPU seconds (user + system) used so far by finished child processes: with the wall time it shows
+# what a stage costs on a machine that is busy with other work.
+cpu_seconds() {
+  times | tail -1 | awk '{ t = 0; for (i = 1; i <= 2; ++i) { split($i, a, "m"); t += a[1] * 60 + a[2] } printf "%d", t }'
+}
 script_start=$SECONDS
 
 print_summary() {
@@ -49,9 +56,10 @@ print_summary() {
   local line
   for line in "${summary[@]}"; do echo "$line"; done
   if [[ $status -ne 0 && -n "$current_stage" ]]; then
-    printf '%-8s %-7s %5ds   %s\n' "$current_stage" FAILED $((SECONDS - stage_start)) "$tests_line"
+    printf '%-8s %-7s %5ds wall %6ds cpu   %s\n' "$current_stage" FAILED $((SECONDS - stage_start)) \
+      $(($(cpu_seconds) - stage_cpu0)) "$tests_line"
   fi
-  printf '%-8s %-7s %5ds\n' total "" $((SECONDS - script_start))
+  printf '%-8s %-7s %5ds wall %6ds cpu\n' total "" $((SECONDS - script_start)) "$(cpu_seconds)"
   if [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"; else echo "test.sh: FAILED"; fi
 }
 trap 'print_summary $?' EXIT
@@ -106,11 +114,13 @@ configure_build() {
 stage_begin() {
   current_stage=$1
   stage_start=$SECONDS
+  stage_cpu0=$(cpu_seconds)
   tests_line=""
   banner "stage $1: $2"
 }
 stage_end() {  # stage_end [status] [note]: status passed (default) or skipped; note defaults to ctest's line
-  summary+=("$(printf '%-8s %-7s %5ds   %s' "$current_stage" "${1:-passed}" $((SECONDS - stage_start)) "${2:-$tests_line}")")
+  summary+=("$(printf '%-8s %-7s %5ds wall %6ds cpu   %s' "$current_stage" "${1:-passed}" $((SECONDS - stage_start)) \
+    $(($(cpu_seconds) - stage_cpu0)) "${2:-$tests_line}")")
   current_stage=""
 }
 

@@ -1,0 +1,30 @@
+# README.md's API tour stays correct: the ```cpp block that follows the marker <!-- api-tour -->
+# is extracted at configure time (README.md is a configure dependency, so editing it re-runs
+# this), compiled with the full warning set as readme_api_tour, and run as a ctest test.
+set(KVCACHE_README ${PROJECT_SOURCE_DIR}/README.md)
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${KVCACHE_README})
+file(READ ${KVCACHE_README} KVCACHE_README_TEXT)
+string(FIND "${KVCACHE_README_TEXT}" "<!-- api-tour -->" KVCACHE_TOUR_MARKER)
+if(KVCACHE_TOUR_MARKER EQUAL -1)
+  message(FATAL_ERROR "README.md: no <!-- api-tour --> marker before the API tour's ```cpp block")
+endif()
+string(SUBSTRING "${KVCACHE_README_TEXT}" ${KVCACHE_TOUR_MARKER} -1 KVCACHE_TOUR)
+string(FIND "${KVCACHE_TOUR}" "```cpp\n" KVCACHE_TOUR_BEGIN)
+if(KVCACHE_TOUR_BEGIN EQUAL -1)
+  message(FATAL_ERROR "README.md: no ```cpp block after <!-- api-tour -->")
+endif()
+math(EXPR KVCACHE_TOUR_BEGIN "${KVCACHE_TOUR_BEGIN} + 7")
+string(SUBSTRING "${KVCACHE_TOUR}" ${KVCACHE_TOUR_BEGIN} -1 KVCACHE_TOUR)
+string(FIND "${KVCACHE_TOUR}" "\n```" KVCACHE_TOUR_END)
+if(KVCACHE_TOUR_END EQUAL -1)
+  message(FATAL_ERROR "README.md: the API tour's ```cpp block is not closed")
+endif()
+string(SUBSTRING "${KVCACHE_TOUR}" 0 ${KVCACHE_TOUR_END} KVCACHE_TOUR)
+set(KVCACHE_TOUR_CPP ${CMAKE_CURRENT_BINARY_DIR}/readme_api_tour.cpp)
+# file(CONFIGURE) rewrites the file only when the block changed (no needless rebuilds).
+file(CONFIGURE OUTPUT ${KVCACHE_TOUR_CPP} CONTENT "// Extracted from README.md by tests/readme.cmake.\n@KVCACHE_TOUR@\n" @ONLY)
+
+add_executable(readme_api_tour ${KVCACHE_TOUR_CPP})
+target_link_libraries(readme_api_tour PRIVATE kvcache::cpu)
+kvcache_set_warnings(readme_api_tour)
+add_test(NAME readme_api_tour COMMAND readme_api_tour)
