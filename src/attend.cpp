@@ -1,5 +1,7 @@
 // Decode attention over layer views: validation, the online softmax over chunks, and the worker
 // pool. The inner products run through the active kernels table (kernels.hpp).
+#include "attend_internal.hpp"
+
 #include <kvcache/attend.hpp>
 #include <kvcache/kernels.hpp>
 
@@ -17,27 +19,13 @@
 
 namespace kvcache {
 
+namespace detail::attend_generic {
+#include "attend_softmax.inl"
+}  // namespace detail::attend_generic
+
 namespace {
 
 constexpr float log2e = 1.4426950408889634f;
-
-// 2^x for x <= 0 (values below -125 give 2^-125, negligible next to the running maximum's 1).
-// Round to nearest integer, then a degree-6 Taylor polynomial of 2^f on |f| <= 0.5 (relative
-// error < 2e-7). Branch-free and plain arithmetic so the compiler vectorizes the loops using it.
-inline float exp2_nonpositive(float x) {
-  x = x < -125.0f ? -125.0f : x;
-  const int i = -static_cast<int>(0.5f - x);  // round(x) for x <= 0
-  const float f = (x - static_cast<float>(i)) * 0.69314718f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const std::uint32_t e = static_cast<std::uint32_t>(i + 127) << 23;
-  return p * std::bit_cast<float>(e);
-}
 
 // Tokens per score tile: long dense chunks are processed in tiles so that scores of one kv head's
 // query group stay in L1 (group * tile floats).
@@ -84,6 +72,14 @@ std::size_t value_head_bytes(const chunk& c, std::uint32_t head_dim) {
   return dense_element_bytes(c.v_format) * c.tokens * head_dim;
 }
 
+// Small chunks (paged blocks, Q4 groups) are scattered in memory, each within a page, where the
+// hardware prefetchers stop; so the next chunks' keys and this tile's values are prefetched.
+constexpr std::size_t prefetch_limit = 16384;  // bytes per chunk and head; larger chunks stream
+void prefetch(const std::byte* p, std::size_t bytes) {
+  if (bytes > prefetch_limit) return;
+  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
+
 bool known_format(format f) { return f == format::f32 || f == format::f16 || f == format::q4; }
 
 result<void> validate_view(const layer_view& v, std::size_t s, const attention_params& p) {
@@ -123,6 +119,7 @@ result<void> validate_view(const layer_view& v, std::size_t s, const attention_p
 // One call's shared, read-only state.
 struct call {
   const kernels::table* kt;
+  detail::softmax_tile_fn softmax;
   const layer_view* views;
   const float* q;  // [sequence][q_head][head_dim]
   float* out;      // [sequence][q_head][head_dim]
@@ -131,34 +128,6 @@ struct call {
   float* scratch;
   std::size_t worker_stride;  // floats per worker
 };
-
-// Online softmax over one tile: s [group][tile] holds base-2 scores of `n` tokens; on return it
-// holds their weights relative to the new running max, and acc rows are rescaled.
-void softmax_tile(float* s, std::uint32_t tile, std::uint32_t n, std::uint32_t group, std::uint32_t head_dim,
-                  float* run_max, float* run_sum, float* acc) {
-  for (std::uint32_t i = 0; i < group; ++i) {
-    float* row = s + static_cast<std::size_t>(i) * tile;
-    float mx = row[0];
-    for (std::uint32_t t = 1; t < n; ++t) mx = row[t] > mx ? row[t] : mx;
-    const float m_new = mx > run_max[i] ? mx : run_max[i];
-    float sum = 0.0f;
-    for (std::uint32_t t = 0; t < n; ++t) {
-      const float w = exp2_nonpositive(row[t] - m_new);
-      row[t] = w;
-      sum += w;
-    }
-    if (m_new != run_max[i]) {
-      // First tile: run_max is -inf and acc / run_sum are 0, so the correction factor is 0.
-      const float corr = run_max[i] == -std::numeric_limits<float>::infinity()
-                             ? 0.0f : exp2_nonpositive(run_max[i] - m_new);
-      float* a = acc + static_cast<std::size_t>(i) * head_dim;
-      for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
-      run_sum[i] *= corr;
-      run_max[i] = m_new;
-    }
-    run_sum[i] += sum;
-  }
-}
 
 void run_task(const call& c, std::size_t task, unsigned worker) {
   const std::size_t seq = task / c.kv_heads;
@@ -185,37 +154,67 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   const kernels::table& kt = *c.kt;
   const layer_view& view = c.views[seq];
   const std::uint32_t nb = q4_value_blocks(hd);
-  for (const chunk& ch : view) {
-    if (ch.tokens == 0) continue;
-    const std::byte* kb = ch.k_head(h);
-    const std::byte* vb = ch.v_head(h);
-    for (std::uint32_t t0 = 0; t0 < ch.tokens; t0 += tile) {
-      const std::uint32_t n = std::min(tile, ch.tokens - t0);
-      const std::size_t dense_off = static_cast<std::size_t>(t0) * hd;
+  // A tile gathers up to `tile` tokens from one or more chunks (paged blocks and Q4 groups are
+  // small), so one softmax step serves many chunks. Cursor: chunk ci, token offset off.
+  std::uint32_t ci = 0, off = 0;
+  while (ci < view.count) {
+    const std::uint32_t start_ci = ci, start_off = off;
+    std::uint32_t filled = 0;
+    for (; ci < view.count && filled < tile; ++ci, off = 0) {
+      const chunk& ch = view.chunks[ci];
+      if (ch.tokens == 0) continue;
+      // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
+      if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
+      const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
+      const std::byte* kb = ch.k_head(h);
+      if (off == 0) {
+        constexpr std::uint32_t ahead = 2;  // chunks
+        if (ci + ahead < view.count) {
+          const chunk& next = view.chunks[ci + ahead];
+          prefetch(next.k_head(h), key_head_bytes(next, hd));
+        }
+        prefetch(ch.v_head(h), value_head_bytes(ch, hd));
+      }
+      float* sc = s + filled;
       switch (ch.k_format) {
         case format::f16:
-          kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + dense_off, n, hd, s, tile);
+          kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
           break;
         case format::f32:
-          kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + dense_off, n, hd, s, tile);
+          kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
           break;
-        case format::q4:  // validated: the whole chunk is one group, t0 == 0
-          kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, tile);
+        case format::q4:  // validated: the whole chunk is one group; off == 0
+          kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, sc, tile);
           break;
       }
-      softmax_tile(s, tile, n, g, hd, run_max, run_sum, acc);
+      filled += n;
+      if (off + n < ch.tokens) {  // the tile is full inside this chunk
+        off += n;
+        break;
+      }
+    }
+    if (filled == 0) break;  // only empty chunks were left
+    c.softmax(s, tile, filled, g, hd, run_max, run_sum, acc);
+    // Second pass over the same token range: weighted values.
+    std::uint32_t done = 0;
+    for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
+      const chunk& ch = view.chunks[cj];
+      if (ch.tokens == 0) continue;
+      const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+      const std::byte* vb = ch.v_head(h);
+      const float* p = s + done;
       switch (ch.v_format) {
         case format::f16:
-          kt.accumulate_f16(s, tile, g, reinterpret_cast<const half*>(vb) + dense_off, n, hd, acc);
+          kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
           break;
         case format::f32:
-          kt.accumulate_f32(s, tile, g, reinterpret_cast<const float*>(vb) + dense_off, n, hd, acc);
+          kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
           break;
         case format::q4:
-          kt.accumulate_q4(s, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(t0) * nb,
-                           n, hd, acc);
+          kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc);
           break;
       }
+      done += n;
     }
   }
 
@@ -362,7 +361,15 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 
   const std::uint32_t group = p.q_heads / p.kv_heads;
   const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-  const call c{&kernels::active(), views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group,
+  const kernels::table& kt = kernels::active();
+  detail::softmax_tile_fn softmax = detail::attend_generic::softmax_tile;
+#if defined(KVCACHE_HAVE_AVX2)
+  if (kt.which == isa::avx2) softmax = detail::attend_avx2::softmax_tile;
+#endif
+#if defined(KVCACHE_HAVE_AVX512)
+  if (kt.which == isa::avx512) softmax = detail::attend_avx512::softmax_tile;
+#endif
+  const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group,
                tile_tokens(group), scale * log2e, ws.impl_->scratch.get(), worker_floats(group, p.head_dim)};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);

@@ -1,0 +1,9 @@
+// attend() pieces compiled with avx2 flags: the online-softmax step (attend_softmax.inl).
+#include "attend_internal.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::detail::attend_avx2 {
+#include "attend_softmax.inl"
+}  // namespace kvcache::detail::attend_avx2
