@@ -109,8 +109,8 @@ class contiguous_cache<cpu> {
 
   contiguous_cache(contiguous_cache&&) noexcept = default;             ///< moves buffers, views stay valid
   contiguous_cache& operator=(contiguous_cache&&) noexcept = default;  ///< moves buffers
-  contiguous_cache(const contiguous_cache&) = delete;
-  contiguous_cache& operator=(const contiguous_cache&) = delete;
+  contiguous_cache(const contiguous_cache&) = delete;             ///< not copyable: owns its buffers
+  contiguous_cache& operator=(const contiguous_cache&) = delete;  ///< not copyable: owns its buffers
   ~contiguous_cache() = default;  ///< frees every sequence's storage
 
   /// The geometry of every sequence.
