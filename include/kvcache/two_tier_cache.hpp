@@ -181,8 +181,12 @@ struct sequence {
   std::uint32_t p_t0 = 0;           // committed tail tokens at reserve: positions [0, p_t0) are old
   std::uint32_t p_groups = 0;       // groups leaving the tail: positions [0, 32 * p_groups)
   std::uint32_t p_tail = 0;         // tail length after commit
-  std::uint32_t p_stage_begin = 0;  // staged positions [p_stage_begin, + p_stage_count): their
-  std::uint32_t p_stage_count = 0;  //   ring slot still holds a committed token until commit
+  // New tail tokens go to ring offset (from head) o = p, or, when every committed tail token
+  // leaves (fresh_tail), o = p_t0 + (p - 32 * p_groups): right after the committed ones. Offsets
+  // o >= ring_slots would land on a committed token: they wait in staging row o - ring_slots,
+  // and commit copies them to ring offset o - ring_slots (a migrated token's slot).
+  bool p_fresh_tail = false;
+  std::uint32_t p_stage_count = 0;
   std::size_t p_drop_at = 0;        // streaming: live groups [at, at + count) go at commit
   std::size_t p_drop_count = 0;
   std::size_t p_drop_tokens = 0;
@@ -333,11 +337,11 @@ class two_tier_cache<cpu> {
     const std::size_t tail_max = std::size_t{cfg_.tail_tokens} + q4_group;
     const std::size_t m = total >= tail_max ? (total - tail_max) / q4_group + 1 : 0;
     const std::size_t new_tail = total - m * q4_group;
-    // Tail-bound new positions whose slot holds a committed token until commit:
-    // [ring_slots, ring_slots + t0) within [32 m, total).
-    const std::size_t stage_lo = std::max<std::size_t>(ring_slots_, m * q4_group);
-    const std::size_t stage_hi = std::min<std::size_t>(std::size_t{ring_slots_} + t0, total);
-    const std::size_t stage_count = stage_hi > stage_lo ? stage_hi - stage_lo : 0;
+    // Where the new tail tokens go (see sequence::p_fresh_tail): offsets [.., end) of the ring,
+    // those past ring_slots staged. Both cases keep end - ring_slots < t0 + tail + 32.
+    const bool fresh_tail = m != 0 && m * q4_group >= t0;
+    const std::size_t end = fresh_tail ? t0 + new_tail : total;
+    const std::size_t stage_count = end > ring_slots_ ? end - ring_slots_ : 0;
 
     // Streaming: the oldest committed groups after the sinks that bring len + n under the limit.
     std::size_t drop_at = 0, drop_count = 0, drop_tokens = 0;
@@ -405,7 +409,7 @@ class two_tier_cache<cpu> {
     q.p_t0 = t0;
     q.p_groups = static_cast<std::uint32_t>(m);
     q.p_tail = static_cast<std::uint32_t>(new_tail);
-    q.p_stage_begin = static_cast<std::uint32_t>(stage_lo);
+    q.p_fresh_tail = fresh_tail;
     q.p_stage_count = static_cast<std::uint32_t>(stage_count);
     q.p_drop_at = drop_at;
     q.p_drop_count = drop_count;
@@ -452,7 +456,8 @@ class two_tier_cache<cpu> {
     const std::size_t from = q.ngroups;
     q.ngroups += q.p_groups;
     q.store_tokens += std::size_t{q.p_groups} * q4_group;
-    q.head = static_cast<std::uint32_t>((q.head + std::size_t{q.p_groups} * q4_group) % ring_slots_);
+    q.head = static_cast<std::uint32_t>((q.head + (q.p_fresh_tail ? q.p_t0 : std::size_t{q.p_groups} * q4_group)) %
+                                        ring_slots_);
     q.tail = q.p_tail;
     q.reserved = false;
     q.p_tokens = q.p_groups = q.p_stage_count = 0;
@@ -648,9 +653,10 @@ class two_tier_cache<cpu> {
     const std::size_t total = std::size_t{q.p_t0} + q.p_tokens;
     for (std::size_t p = std::max<std::size_t>(q.p_t0, std::size_t{q.p_groups} * q4_group); p < total; ++p) {
       const std::size_t row = (p - q.p_t0) * width;
-      const bool staged = p >= q.p_stage_begin && p - q.p_stage_begin < q.p_stage_count;
-      const auto si = static_cast<std::uint32_t>(staged ? p - q.p_stage_begin : 0);
-      const auto rs = static_cast<std::uint32_t>((q.head + p) % ring_slots_);
+      const std::size_t o = q.p_fresh_tail ? q.p_t0 + (p - std::size_t{q.p_groups} * q4_group) : p;
+      const bool staged = o >= ring_slots_;
+      const auto si = static_cast<std::uint32_t>(staged ? o - ring_slots_ : 0);
+      const auto rs = static_cast<std::uint32_t>((q.head + o) % ring_slots_);
       for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
         half* kd = staged ? stage_row(q, layer, false, h, si) : ring_row(q, layer, false, h, rs);
         half* vd = staged ? stage_row(q, layer, true, h, si) : ring_row(q, layer, true, h, rs);
@@ -717,7 +723,7 @@ class two_tier_cache<cpu> {
       for (int side = 0; side < 2; ++side)
         for (std::uint32_t h = 0; h < cfg_.shape.kv_heads; ++h)
           for (std::uint32_t i = 0; i < q.p_stage_count; ++i) {
-            const auto rs = static_cast<std::uint32_t>((std::size_t{q.head} + q.p_stage_begin + i) % ring_slots_);
+            const auto rs = static_cast<std::uint32_t>((std::size_t{q.head} + i) % ring_slots_);
             std::memcpy(ring_row(q, l, side == 1, h, rs), stage_row(q, l, side == 1, h, i), row_bytes);
           }
   }
