@@ -317,24 +317,22 @@ class contiguous_cache<cpu> {
 
   // Copies n rows of head_dim elements from a token-major source (row stride token_width) into
   // one head's slots: f32 <- f32 / f16 <- f16 copy, f16 <- f32 and f32 <- f16 convert.
-  static void store_rows(const float* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
-                         format storage, std::byte* dst) noexcept {
+  static void store_rows(const kernels::table& kt, const float* src, std::size_t src_stride, std::size_t rows,
+                         std::uint32_t head_dim, format storage, std::byte* dst) noexcept {
     const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
     if (storage == format::f32) {
       for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
     } else {
-      const kernels::table& kt = kernels::active();
       for (std::size_t t = 0; t < rows; ++t)
         kt.f32_to_f16(src + t * src_stride, reinterpret_cast<half*>(dst + t * row_bytes), head_dim);
     }
   }
-  static void store_rows(const half* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
-                         format storage, std::byte* dst) noexcept {
+  static void store_rows(const kernels::table& kt, const half* src, std::size_t src_stride, std::size_t rows,
+                         std::uint32_t head_dim, format storage, std::byte* dst) noexcept {
     const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
     if (storage == format::f16) {
       for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
     } else {
-      const kernels::table& kt = kernels::active();
       for (std::size_t t = 0; t < rows; ++t)
         kt.f16_to_f32(src + t * src_stride, reinterpret_cast<float*>(dst + t * row_bytes), head_dim);
     }
@@ -362,10 +360,11 @@ class contiguous_cache<cpu> {
     const std::size_t first = s.length * g.head_dim * dense_element_bytes(cfg_.storage);  // slot offset in a head
     std::byte* kd = s.storage.get() + (2 * static_cast<std::size_t>(layer)) * buffer_bytes_ + first;
     std::byte* vd = s.storage.get() + (2 * static_cast<std::size_t>(layer) + 1) * buffer_bytes_ + first;
+    const kernels::table& kt = kernels::active();
     for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
       const std::size_t src_off = static_cast<std::size_t>(h) * g.head_dim;
-      store_rows(k.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, kd + h * c.k_head_stride);
-      store_rows(v.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, vd + h * c.v_head_stride);
+      store_rows(kt, k.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, kd + h * c.k_head_stride);
+      store_rows(kt, v.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, vd + h * c.v_head_stride);
     }
     if (!s.written[layer]) {
       s.written[layer] = true;
