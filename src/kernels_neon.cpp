@@ -1,0 +1,126 @@
+// aarch64 Advanced SIMD kernels (baseline on aarch64, so no extra flags; the FP16 conversions
+// FCVTL/FCVTN are baseline too). Same structure as the x86 files: everything in this file's
+// anonymous namespace, only neon::get() exported.
+#include "kernels_internal.hpp"
+
+#include <arm_neon.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::kernels::neon {
+namespace {
+
+// The vector interface kernels_simd.inl is written against: 4 float lanes, 32 registers.
+struct V {
+  static constexpr isa which = isa::neon;
+  static constexpr unsigned W = 4;
+  static constexpr unsigned score_acc = 16;
+  static constexpr unsigned acc_regs = 16;
+  static constexpr unsigned q4_queries = 2;  // 8 accumulators per query + 8 decoded codes
+  using vf = float32x4_t;
+  using vi = int32x4_t;
+  using b16 = uint8x16_t;
+
+  static vf zero() { return vdupq_n_f32(0.0f); }
+  static vi zero_i() { return vdupq_n_s32(0); }
+  static vf set1(float x) { return vdupq_n_f32(x); }
+  static vf load(const float* p) { return vld1q_f32(p); }
+  static vf h2f(uint16x4_t h) { return vcvt_f32_f16(vreinterpret_f16_u16(h)); }
+  static uint16x4_t f2h(vf x) { return vreinterpret_u16_f16(vcvt_f16_f32(x)); }  // FPCR: nearest-even
+  static vf load(const half* p) { return h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))); }
+  static vf load_n(const float* p, unsigned n) {
+    float buf[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (unsigned i = 0; i < n; ++i) buf[i] = p[i];
+    return vld1q_f32(buf);
+  }
+  static vf load_n(const half* p, unsigned n) {
+    std::uint16_t buf[4] = {0, 0, 0, 0};
+    for (unsigned i = 0; i < n; ++i) buf[i] = p[i].bits;
+    return h2f(vld1_u16(buf));
+  }
+  static void store(float* p, vf x) { vst1q_f32(p, x); }
+  static void store_n(float* p, vf x, unsigned n) {
+    float buf[4];
+    vst1q_f32(buf, x);
+    for (unsigned i = 0; i < n; ++i) p[i] = buf[i];
+  }
+  static void store(half* p, vf x) { vst1_u16(reinterpret_cast<std::uint16_t*>(p), f2h(x)); }
+  static void store_n(half* p, vf x, unsigned n) {
+    std::uint16_t buf[4];
+    vst1_u16(buf, f2h(x));
+    for (unsigned i = 0; i < n; ++i) p[i].bits = buf[i];
+  }
+
+  static vf add(vf a, vf b) { return vaddq_f32(a, b); }
+  static vf sub(vf a, vf b) { return vsubq_f32(a, b); }
+  static vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+  static vf div(vf a, vf b) { return vdivq_f32(a, b); }
+  static vf fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+  static vf min(vf a, vf b) { return vminq_f32(a, b); }
+  static vf max(vf a, vf b) { return vmaxq_f32(a, b); }
+  static float hsum(vf x) { return vaddvq_f32(x); }
+  // Lane j of the result = sum / min / max over v[j] (pairwise ops).
+  static vf reduce(const vf* v) { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
+  static vf reduce_min(const vf* v) { return vpminq_f32(vpminq_f32(v[0], v[1]), vpminq_f32(v[2], v[3])); }
+  static vf reduce_max(const vf* v) { return vpmaxq_f32(vpmaxq_f32(v[0], v[1]), vpmaxq_f32(v[2], v[3])); }
+
+  // FMAXNM returns the number when c is NaN, so NaN clamps to 0 as in the scalar code.
+  static vf clamp15(vf c) { return vminq_f32(vmaxnmq_f32(c, zero()), set1(15.0f)); }
+  static vi cvtt(vf x) { return vcvtq_s32_f32(x); }  // rounds toward zero
+  static vi or_shl4(vi lo, vi hi) { return vorrq_s32(lo, vshlq_n_s32(hi, 4)); }
+  // 16 int32 (< 256) in four vectors -> 16 bytes in order.
+  static b16 pack16(const vi* v) {
+    const int16x8_t a = vcombine_s16(vmovn_s32(v[0]), vmovn_s32(v[1]));
+    const int16x8_t b = vcombine_s16(vmovn_s32(v[2]), vmovn_s32(v[3]));
+    return vreinterpretq_u8_s8(vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
+  }
+  static b16 load16(const std::uint8_t* p) { return vld1q_u8(p); }
+  static void store16(std::uint8_t* p, b16 x) { vst1q_u8(p, x); }
+  static b16 zero16() { return vdupq_n_u8(0); }
+  static b16 zip_lo(b16 a, b16 b) { return vzip1q_u8(a, b); }
+  static b16 zip_hi(b16 a, b16 b) { return vzip2q_u8(a, b); }
+  static void widen(uint8x8_t b, vf* out) {
+    const uint16x8_t w = vmovl_u8(b);
+    out[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
+    out[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)));
+  }
+  static void decode32(b16 b, vf* out) {
+    const uint8x16_t lo = vandq_u8(b, vdupq_n_u8(0x0f));
+    const uint8x16_t hi = vshrq_n_u8(b, 4);
+    widen(vget_low_u8(lo), out);
+    widen(vget_high_u8(lo), out + 2);
+    widen(vget_low_u8(hi), out + 4);
+    widen(vget_high_u8(hi), out + 6);
+  }
+  // Smallest half >= step (per lane): round to nearest, then one ulp up where that fell below.
+  static vf scale_up(vf step, half* out) {
+    uint16x4_t h = f2h(step);
+    const uint16x4_t below = vmovn_u32(vcltq_f32(h2f(h), step));  // all ones where below
+    h = vsub_u16(h, below);                                        // - (-1): one ulp up
+    vst1_u16(reinterpret_cast<std::uint16_t*>(out), h);
+    return h2f(h);
+  }
+  static vf recip_or_zero(vf s) {
+    const uint32x4_t pos = vcgtq_f32(s, zero());
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vdivq_f32(set1(1.0f), s)), pos));
+  }
+  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
+    std::uint16_t sc[4] = {0, 0, 0, 0}, mn[4] = {0, 0, 0, 0};
+    for (unsigned j = 0; j < n; ++j) {
+      sc[j] = b[j * stride].scale.bits;
+      mn[j] = b[j * stride].min.bits;
+    }
+    s = h2f(vld1_u16(sc));
+    m = h2f(vld1_u16(mn));
+  }
+  static float f32_of(std::uint16_t h) { return vgetq_lane_f32(h2f(vdup_n_u16(h)), 0); }
+};
+
+#include "kernels_simd.inl"
+
+}  // namespace
+
+const table& get() noexcept { return simd_table; }
+
+}  // namespace kvcache::kernels::neon
