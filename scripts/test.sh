@@ -179,9 +179,10 @@ for stage in $stages; do
     aarch64)
       stage_begin aarch64 "cross build for aarch64, tests under qemu (scripts/cross_aarch64.sh)"
       if [[ -x scripts/cross_aarch64.sh ]]; then
+        if [[ "${KVCACHE_CLEAN:-0}" == 1 ]]; then rm -rf build/aarch64; fi
         mkdir -p build
         rc=0
-        scripts/cross_aarch64.sh 2>&1 | tee build/aarch64.log || rc=$?
+        BUILD_DIR="$repo/build/aarch64" JOBS="$jobs" scripts/cross_aarch64.sh 2>&1 | tee build/aarch64.log || rc=$?
         if [[ $rc -ne 0 ]]; then exit "$rc"; fi
         stage_end passed "$(grep -E 'tests passed' build/aarch64.log | tail -1 || true)"
       else

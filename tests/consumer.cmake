@@ -11,6 +11,11 @@ set(KVCACHE_CONSUMER_ARGS
   -DHAVE_CUDA=${KVCACHE_HAVE_CUDA}
   -DCUDA_COMPILER=${CMAKE_CUDA_COMPILER})
 
+# A cross build cannot run the host-side consumer projects it would configure.
+if(CMAKE_CROSSCOMPILING)
+  return()
+endif()
+
 if(KVCACHE_INSTALL)
   add_test(NAME consumer_find_package
     COMMAND ${CMAKE_COMMAND} -DMODE=package -DKVCACHE_BINARY_DIR=${PROJECT_BINARY_DIR}
