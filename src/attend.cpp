@@ -74,7 +74,7 @@ std::size_t value_head_bytes(const chunk& c, std::uint32_t head_dim) {
 
 // Small chunks (paged blocks, Q4 groups) are scattered in memory, each within a page, where the
 // hardware prefetchers stop; so the next chunks' keys and this tile's values are prefetched.
-constexpr std::size_t prefetch_limit = 16384;  // bytes per chunk and head; larger chunks stream
+constexpr std::size_t prefetch_limit = 65536;  // bytes; larger chunks stream without help
 void prefetch(const std::byte* p, std::size_t bytes) {
   if (bytes > prefetch_limit) return;
   for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
@@ -124,31 +124,54 @@ struct call {
   const float* q;  // [sequence][q_head][head_dim]
   float* out;      // [sequence][q_head][head_dim]
   std::uint32_t kv_heads, head_dim, group, tile;
+  std::uint32_t heads_per_task, tasks_per_seq;
   float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
   float* scratch;
-  std::size_t worker_stride;  // floats per worker
+  std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats
+  std::size_t head_floats;    // floats of one head's state (worker_floats)
 };
 
+// One head's state in a worker's scratch: folded queries qf and accumulators acc [group][head_dim],
+// scores s [group][tile], running max and sum [group].
+struct head_state {
+  float *qf, *acc, *s, *run_max, *run_sum;
+};
+
+head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_t tile) {
+  const std::size_t gd = round_up64(static_cast<std::size_t>(g) * hd);
+  head_state st{};
+  st.qf = base;
+  st.acc = st.qf + gd;
+  st.s = st.acc + gd;
+  st.run_max = st.s + round_up64(static_cast<std::size_t>(g) * tile);
+  st.run_sum = st.run_max + round_up64(g);
+  return st;
+}
+
+// A task is one sequence and a run of its kv heads. The heads' K (then V) of one chunk lie side
+// by side in every cache layout ([kv_head][token][head_dim] per chunk), so visiting every head of
+// a chunk before the next chunk reads paged blocks and Q4 groups as one sequential stream instead
+// of page-sized pieces scattered over the whole pool.
 void run_task(const call& c, std::size_t task, unsigned worker) {
-  const std::size_t seq = task / c.kv_heads;
-  const auto h = static_cast<std::uint32_t>(task % c.kv_heads);
+  const std::size_t seq = task / c.tasks_per_seq;
+  const std::uint32_t h0 = static_cast<std::uint32_t>(task % c.tasks_per_seq) * c.heads_per_task;
+  const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
-  // Worker scratch: qf [group][head_dim], acc [group][head_dim], s [group][tile], max, sum [group].
-  float* qf = c.scratch + worker * c.worker_stride;
-  float* acc = qf + round_up64(gd);
-  float* s = acc + round_up64(gd);
-  float* run_max = s + round_up64(static_cast<std::size_t>(g) * tile);
-  float* run_sum = run_max + round_up64(g);
+  float* base = c.scratch + worker * c.worker_stride;
+  auto st = [&](std::uint32_t h) { return state_of(base + (h - h0) * c.head_floats, g, hd, tile); };
 
-  const float* qh = c.q + (seq * c.kv_heads + h) * gd;
-  for (std::size_t i = 0; i < gd; ++i) {
-    qf[i] = qh[i] * c.scale_log2;
-    acc[i] = 0.0f;
-  }
-  for (std::uint32_t i = 0; i < g; ++i) {
-    run_max[i] = -std::numeric_limits<float>::infinity();
-    run_sum[i] = 0.0f;
+  for (std::uint32_t h = h0; h < h1; ++h) {
+    const head_state hs = st(h);
+    const float* qh = c.q + (seq * c.kv_heads + h) * gd;
+    for (std::size_t i = 0; i < gd; ++i) {
+      hs.qf[i] = qh[i] * c.scale_log2;
+      hs.acc[i] = 0.0f;
+    }
+    for (std::uint32_t i = 0; i < g; ++i) {
+      hs.run_max[i] = -std::numeric_limits<float>::infinity();
+      hs.run_sum[i] = 0.0f;
+    }
   }
 
   const kernels::table& kt = *c.kt;
@@ -166,26 +189,25 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
-      const std::byte* kb = ch.k_head(h);
-      if (off == 0) {
-        constexpr std::uint32_t ahead = 2;  // chunks
-        if (ci + ahead < view.count) {
-          const chunk& next = view.chunks[ci + ahead];
-          prefetch(next.k_head(h), key_head_bytes(next, hd));
-        }
-        prefetch(ch.v_head(h), value_head_bytes(ch, hd));
+      if (off == 0 && ci + 1 < view.count) {
+        const chunk& next = view.chunks[ci + 1];
+        prefetch(next.k_head(h0), key_head_bytes(next, hd) * (h1 - h0));
       }
-      float* sc = s + filled;
-      switch (ch.k_format) {
-        case format::f16:
-          kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
-          break;
-        case format::f32:
-          kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
-          break;
-        case format::q4:  // validated: the whole chunk is one group; off == 0
-          kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, sc, tile);
-          break;
+      for (std::uint32_t h = h0; h < h1; ++h) {
+        const head_state hs = st(h);
+        const std::byte* kb = ch.k_head(h);
+        float* sc = hs.s + filled;
+        switch (ch.k_format) {
+          case format::f16:
+            kt.scores_f16(hs.qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
+            break;
+          case format::f32:
+            kt.scores_f32(hs.qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
+            break;
+          case format::q4:  // validated: the whole chunk is one group; off == 0
+            kt.scores_q4(hs.qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, sc, tile);
+            break;
+        }
       }
       filled += n;
       if (off + n < ch.tokens) {  // the tile is full inside this chunk
@@ -194,35 +216,56 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       }
     }
     if (filled == 0) break;  // only empty chunks were left
-    c.softmax(s, tile, filled, g, hd, run_max, run_sum, acc);
+    for (std::uint32_t h = h0; h < h1; ++h) {
+      const head_state hs = st(h);
+      c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
+    }
     // Second pass over the same token range: weighted values.
     std::uint32_t done = 0;
     for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
       if (ch.tokens == 0) continue;
       const std::uint32_t n = std::min(filled - done, ch.tokens - o);
-      const std::byte* vb = ch.v_head(h);
-      const float* p = s + done;
-      switch (ch.v_format) {
-        case format::f16:
-          kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
-          break;
-        case format::f32:
-          kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
-          break;
-        case format::q4:
-          kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc);
-          break;
+      if (o == 0 && cj + 1 < view.count) {
+        const chunk& next = view.chunks[cj + 1];
+        prefetch(next.v_head(h0), value_head_bytes(next, hd) * (h1 - h0));
+      }
+      for (std::uint32_t h = h0; h < h1; ++h) {
+        const head_state hs = st(h);
+        const std::byte* vb = ch.v_head(h);
+        const float* p = hs.s + done;
+        switch (ch.v_format) {
+          case format::f16:
+            kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, hs.acc);
+            break;
+          case format::f32:
+            kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, hs.acc);
+            break;
+          case format::q4:
+            kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, hs.acc);
+            break;
+        }
       }
       done += n;
     }
   }
 
-  float* oh = c.out + (seq * c.kv_heads + h) * gd;
-  for (std::uint32_t i = 0; i < g; ++i) {
-    const float inv = run_sum[i] > 0.0f ? 1.0f / run_sum[i] : 0.0f;
-    for (std::uint32_t d = 0; d < hd; ++d) oh[i * hd + d] = acc[i * hd + d] * inv;
+  for (std::uint32_t h = h0; h < h1; ++h) {
+    const head_state hs = st(h);
+    float* oh = c.out + (seq * c.kv_heads + h) * gd;
+    for (std::uint32_t i = 0; i < g; ++i) {
+      const float inv = hs.run_sum[i] > 0.0f ? 1.0f / hs.run_sum[i] : 0.0f;
+      for (std::uint32_t d = 0; d < hd; ++d) oh[i * hd + d] = hs.acc[i * hd + d] * inv;
+    }
   }
+}
+
+// Kv heads per task: all of a sequence's heads when there are at least as many sequences as
+// workers, else split so that every worker gets a task.
+std::uint32_t heads_per_task(std::size_t seqs, std::uint32_t kv_heads, unsigned workers) {
+  if (seqs >= workers) return kv_heads;
+  const std::size_t split = std::min<std::size_t>(kv_heads, (workers + seqs - 1) / seqs);
+  return static_cast<std::uint32_t>((kv_heads + split - 1) / split);
 }
 
 }  // namespace
@@ -338,7 +381,8 @@ result<void> attention_workspace::reserve(const attention_params& p) {
     if (!impl_) return fail(errc::out_of_memory, "attend: workspace");
   }
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
-  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim);
+  // Room for every kv head of a sequence per worker (a task holds at most that many).
+  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
   KVCACHE_TRY(impl_->grow_scratch(per * workers));
   if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
   return {};
@@ -369,12 +413,16 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #if defined(KVCACHE_HAVE_AVX512)
   if (kt.which == isa::avx512) softmax = detail::attend_avx512::softmax_tile;
 #endif
-  const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group,
-               tile_tokens(group), scale * log2e, ws.impl_->scratch.get(), worker_floats(group, p.head_dim)};
+  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  const std::uint32_t hpt = heads_per_task(views.size(), p.kv_heads, workers);
+  const std::uint32_t tasks_per_seq = (p.kv_heads + hpt - 1) / hpt;
+  const std::size_t head_floats = worker_floats(group, p.head_dim);
+  const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, tile_tokens(group),
+               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), head_floats * p.kv_heads, head_floats};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
   };
-  const std::size_t tasks = views.size() * p.kv_heads;
+  const std::size_t tasks = views.size() * tasks_per_seq;
   void* ctx = const_cast<call*>(&c);
   if (p.pool.run != nullptr) p.pool.run(p.pool.pool, tasks, fn, ctx);
   else ws.impl_->run(tasks, fn, ctx, p.threads);

@@ -461,9 +461,30 @@ TEST_P(attend_isa, results_do_not_depend_on_threads_or_pool) {
   p.pool.pool = &pool;
   p.pool.workers = 2;
   ASSERT_TRUE(kvcache::attend(p, lv, q, pooled, ws).has_value());
-  EXPECT_EQ(pool.seen.size(), lv.size() * s.kv_heads);  // one task per (sequence, kv head)
+  EXPECT_EQ(pool.seen.size(), lv.size());  // more sequences than workers: one task per sequence
   EXPECT_EQ(0, std::memcmp(one.data(), three.data(), one.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.data(), pooled.data(), one.size() * sizeof(float)));
+  // One sequence, four workers: its kv heads are split into four tasks; same results.
+  const std::span<const layer_view> first(lv.data(), 1);
+  const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;
+  std::vector<float> single(row), split(row);
+  p.pool = {};
+  p.threads = 1;
+  ASSERT_TRUE(kvcache::attend(p, first, std::span(q).first(row), single, ws).has_value());
+  pool.seen.clear();
+  p.pool.run = [](void* pl, std::size_t count, kvcache::parallel_for::task_fn task, void* ctx) {
+    auto& rp = *static_cast<reverse_pool*>(pl);
+    for (std::size_t i = count; i-- > 0;) {
+      rp.seen.push_back(i);
+      task(ctx, i, static_cast<unsigned>(i % 4));
+    }
+  };
+  p.pool.pool = &pool;
+  p.pool.workers = 4;
+  ASSERT_TRUE(kvcache::attend(p, first, std::span(q).first(row), split, ws).has_value());
+  EXPECT_EQ(pool.seen.size(), s.kv_heads);  // 4 kv heads, 4 workers: one head per task
+  EXPECT_EQ(0, std::memcmp(single.data(), split.data(), row * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(single.data(), one.data(), row * sizeof(float)));
 }
 
 INSTANTIATE_TEST_SUITE_P(isas, attend_isa, ::testing::ValuesIn(supported_isas()),

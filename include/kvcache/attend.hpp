@@ -75,7 +75,9 @@ class attention_workspace {
 /// head j, with g = q_heads / kv_heads and kv head h = j / g:
 ///   out[s][j] = sum_t softmax_t(scale * q[s][j] . k_h[t]) * v_h[t]   over all tokens of views[s].
 /// // q [sequence][q_head][head_dim] f32, out [sequence][q_head][head_dim] f32
-/// A view with no tokens yields a zero output row. Work is split over (sequence, kv head) pairs.
+/// A view with no tokens yields a zero output row. One task per sequence (all its kv heads, so
+/// each chunk's K and V are read as one stream), split into runs of kv heads when there are
+/// fewer sequences than workers.
 /// Errors (nothing is written to `out`): errc::invalid_argument for a zero dimension, q_heads not
 /// a multiple of kv_heads, threads == 0 or a pool with workers == 0; errc::bad_shape for q or out
 /// of the wrong size, a view whose chunk token counts do not add up, a null chunk pointer, a Q4
