@@ -72,21 +72,8 @@ inline result<void> check_launch(std::string_view what) {
 }
 
 #if defined(__CUDACC__)
-// ---- half conversions: exactly kvcache::f32_to_f16_bits / f16_bits_to_f32 ------------------
-// The host functions in half.hpp are constexpr (callable from device code with
-// --expt-relaxed-constexpr); these wrappers make the intent explicit and keep the bit patterns
-// identical to the CPU reference (hardware __float2half_rn agrees on finite values, but NaN
-// payloads may differ).
-__device__ __forceinline__ float h2f(std::uint16_t bits) { return f16_bits_to_f32(bits); }
-__device__ __forceinline__ std::uint16_t f2h(float f) { return f32_to_f16_bits(f); }
-
-/// Loads element i of a dense row of format f (f32 or f16) as float.
-__device__ __forceinline__ float load_dense(const std::byte* p, format f, std::size_t i) {
-  if (f == format::f32) return reinterpret_cast<const float*>(p)[i];
-  return h2f(reinterpret_cast<const std::uint16_t*>(p)[i]);
-}
-
-#endif  // __CUDACC__
+#include "device_math.cuh"
+#endif
 
 /// Pinned host staging for small asynchronous uploads (tables, lengths). upload() waits for the
 /// previous upload's copy to have left the staging memory before overwriting it, so the caller's

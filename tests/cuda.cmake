@@ -2,10 +2,12 @@
 # its own binary linked with kvcache::cuda and the CUDA runtime. Tests that need a device start
 # with KVCACHE_REQUIRE_CUDA() (tests/cuda/cuda_test_util.hpp), which GTEST_SKIP()s with
 # "no CUDA device: <reason>" where no usable device/driver exists; ctest then reports the binary
-# as skipped (SKIP_REGULAR_EXPRESSION) instead of passed. test_cuda_validation needs no device.
+# as skipped (SKIP_REGULAR_EXPRESSION) instead of passed. test_cuda_validation needs no device;
+# test_cuda_emulated (below) needs not even nvcc.
 if(TARGET kvcache::cuda)
   find_package(CUDAToolkit REQUIRED)
   file(GLOB KVCACHE_CUDA_TEST_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/cuda/test_*.cpp)
+  list(REMOVE_ITEM KVCACHE_CUDA_TEST_SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_emulated.cpp)
   foreach(src IN LISTS KVCACHE_CUDA_TEST_SOURCES)
     get_filename_component(name ${src} NAME_WE)
     add_executable(${name} ${src})
@@ -16,3 +18,15 @@ if(TARGET kvcache::cuda)
     set_tests_properties(${name} PROPERTIES LABELS cuda SKIP_REGULAR_EXPRESSION "no CUDA device: ")
   endforeach()
 endif()
+
+# test_cuda_emulated runs the CUDA kernels' source (cuda/*_kernels.cuh) on the CPU through
+# tests/cuda/emulator.hpp. It needs neither nvcc nor a GPU, so it is built in every
+# configuration (with or without kvcache::cuda) and links only kvcache::cpu.
+add_executable(test_cuda_emulated ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_emulated.cpp)
+target_link_libraries(test_cuda_emulated PRIVATE kvcache::cpu GTest::gtest GTest::gtest_main Threads::Threads)
+target_include_directories(test_cuda_emulated PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda ${PROJECT_SOURCE_DIR}/cuda)
+kvcache_set_warnings(test_cuda_emulated)
+# '#pragma unroll' is nvcc's; no FMA contraction so float intrinsics (__fmul_rn...) stay unfused.
+target_compile_options(test_cuda_emulated PRIVATE -Wno-unknown-pragmas -ffp-contract=off)
+add_test(NAME test_cuda_emulated COMMAND test_cuda_emulated)
+set_tests_properties(test_cuda_emulated PROPERTIES LABELS cuda)

@@ -1,5 +1,6 @@
 // The CUDA kernels against the scalar CPU reference on fresh random inputs, ragged sizes
 // included. Every test needs a device and skips with "no CUDA device: <reason>" without one.
+#include "attend_cases.hpp"
 #include "cuda_test_util.hpp"
 
 #include <kvcache/cuda/kernels.hpp>
@@ -241,96 +242,6 @@ TEST(cuda_kernels, migrate_is_bit_identical_to_scalar_quantize) {
 }
 
 // ---- attention -------------------------------------------------------------------------------
-
-// One segment of a synthetic cache: pages in the given formats, with the decoded floats kept for
-// the reference ([b][token][kv_head][head_dim] per sequence).
-struct segment_data {
-  format kf, vf;
-  std::uint32_t page_tokens;
-  std::size_t k_head, v_head, k_page, v_page;
-  std::vector<std::uint8_t> k_pool, v_pool;
-  std::vector<std::uint32_t> indptr{0}, indices, last;
-  std::vector<std::vector<float>> k_dec, v_dec;  // [b] -> [token][kv_head][head_dim]
-};
-
-std::size_t dense_or_q4_head_bytes(format f, bool keys, std::uint32_t page_tokens, std::uint32_t D) {
-  if (f != format::q4) return static_cast<std::size_t>(page_tokens) * D * kvcache::dense_element_bytes(f);
-  return keys ? D * sizeof(q4_block) : static_cast<std::size_t>(page_tokens) * kvcache::q4_value_blocks(D) * sizeof(q4_block);
-}
-
-segment_data make_segment(rng& r, format kf, format vf, std::uint32_t page_tokens, const std::vector<std::uint32_t>& lens,
-                          std::uint32_t kv_heads, std::uint32_t D) {
-  segment_data s;
-  s.kf = kf;
-  s.vf = vf;
-  s.page_tokens = page_tokens;
-  s.k_head = dense_or_q4_head_bytes(kf, true, page_tokens, D);
-  s.v_head = dense_or_q4_head_bytes(vf, false, page_tokens, D);
-  s.k_page = s.k_head * kv_heads;
-  s.v_page = s.v_head * kv_heads;
-  std::uint32_t total = 0;
-  for (std::uint32_t len : lens) total += (len + page_tokens - 1) / page_tokens;
-  const std::uint32_t pool_pages = total + 2;
-  std::vector<std::uint32_t> perm(pool_pages);
-  std::iota(perm.begin(), perm.end(), 0u);
-  std::shuffle(perm.begin(), perm.end(), r.gen);
-  s.k_pool.assign(s.k_page * pool_pages, 0);
-  s.v_pool.assign(s.v_page * pool_pages, 0);
-  const std::size_t tw = static_cast<std::size_t>(kv_heads) * D;
-  std::uint32_t next = 0;
-  for (std::uint32_t len : lens) {
-    const std::uint32_t np = (len + page_tokens - 1) / page_tokens;
-    std::vector<float> kd(len * tw), vd(len * tw);
-    for (std::uint32_t pi = 0; pi < np; ++pi) {
-      const std::uint32_t page = perm[next++];
-      s.indices.push_back(page);
-      const std::uint32_t n = std::min(page_tokens, len - pi * page_tokens);
-      for (std::uint32_t h = 0; h < kv_heads; ++h) {
-        std::vector<half> kh = r.halves(static_cast<std::size_t>(n) * D), vh = r.halves(static_cast<std::size_t>(n) * D);
-        if (h == 0 && D > 3)  // an outlier key channel
-          for (std::uint32_t t = 0; t < n; ++t) kh[static_cast<std::size_t>(t) * D + 3] = kvcache::to_half(8.0f + r.uniform());
-        std::vector<float> kx(static_cast<std::size_t>(n) * D), vx(kx.size());
-        std::uint8_t* kp = &s.k_pool[page * s.k_page + h * s.k_head];
-        std::uint8_t* vp = &s.v_pool[page * s.v_page + h * s.v_head];
-        if (kf == format::q4) {
-          std::vector<q4_block> b(D);
-          scalar().quantize_keys(kh.data(), D, n, D, b.data());
-          std::memcpy(kp, b.data(), b.size() * sizeof(q4_block));
-          scalar().dequantize_keys(b.data(), n, D, kx.data(), D);
-        } else if (kf == format::f16) {
-          std::memcpy(kp, kh.data(), kh.size() * sizeof(half));
-          scalar().f16_to_f32(kh.data(), kx.data(), kh.size());
-        } else {
-          scalar().f16_to_f32(kh.data(), kx.data(), kh.size());
-          std::memcpy(kp, kx.data(), kx.size() * sizeof(float));
-        }
-        if (vf == format::q4) {
-          std::vector<q4_block> b(static_cast<std::size_t>(n) * kvcache::q4_value_blocks(D));
-          scalar().quantize_values(vh.data(), D, n, D, b.data());
-          std::memcpy(vp, b.data(), b.size() * sizeof(q4_block));
-          scalar().dequantize_values(b.data(), n, D, vx.data(), D);
-        } else if (vf == format::f16) {
-          std::memcpy(vp, vh.data(), vh.size() * sizeof(half));
-          scalar().f16_to_f32(vh.data(), vx.data(), vh.size());
-        } else {
-          scalar().f16_to_f32(vh.data(), vx.data(), vh.size());
-          std::memcpy(vp, vx.data(), vx.size() * sizeof(float));
-        }
-        for (std::uint32_t t = 0; t < n; ++t)
-          for (std::uint32_t d = 0; d < D; ++d) {
-            const std::size_t tok = pi * page_tokens + t;
-            kd[(tok * kv_heads + h) * D + d] = kx[static_cast<std::size_t>(t) * D + d];
-            vd[(tok * kv_heads + h) * D + d] = vx[static_cast<std::size_t>(t) * D + d];
-          }
-      }
-    }
-    s.indptr.push_back(static_cast<std::uint32_t>(s.indices.size()));
-    s.last.push_back(np == 0 ? 0 : len - (np - 1) * page_tokens);
-    s.k_dec.push_back(std::move(kd));
-    s.v_dec.push_back(std::move(vd));
-  }
-  return s;
-}
 
 struct device_segment {
   device_vector<std::uint8_t> k, v;

@@ -1,0 +1,401 @@
+#pragma once
+// Decode attention kernels of kvcache::cuda: flash-decoding over paged segments (f32, f16, q4 in place).
+//
+// attend_partial: one block per (sequence, kv head, group of up to kMaxG query heads, split).
+// Each of its kWarps warps walks tiles of 32 tokens of the split:
+//   scores  lane = token: dense keys dot the query rows held in shared memory; q4 keys (one page =
+//           one group of 32 tokens) use the query with the page's per-channel scales folded in
+//           (qs[g][d] = q[g][d] * scale_d, once per page per warp) and one constant sum_d q*min_d,
+//           so the inner loop is codes x folded query (DESIGN.md 2.5);
+//   softmax online, base 2 (scores pre-multiplied by scale * log2 e);
+//   values  lane = channel (lane + 32 j): acc += p * v, for q4 values (p * scale) * code + p * min.
+// The warps' states are merged in shared memory and written as one partial state (max, sum,
+// unnormalized output) per (sequence, query head, split). attend_merge combines every split of
+// every segment per (sequence, query head).
+//
+// Internal to cuda/ (included by attend.cu, and by the CPU emulation test). Includes no CUDA
+// runtime header; cuda_fp16.h only under nvcc (the emulation provides the few intrinsics used).
+#include "device_math.cuh"
+
+#include <kvcache/cuda/kernels.hpp>
+#include <kvcache/error.hpp>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache {
+namespace {
+
+constexpr std::uint32_t kWarps = 4;
+constexpr std::uint32_t kThreads = kWarps * 32;
+constexpr std::uint32_t kMaxG = 8;                       // query heads per block
+constexpr std::uint32_t kMaxJ = cuda_max_head_dim / 32;  // channels per lane
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float half_bits_to_float(std::uint16_t b) { return __half2float(__ushort_as_half(b)); }
+
+// Tokens of sequence b in a segment, and its page list.
+struct seq_pages {
+  const std::uint32_t* pages;
+  std::uint32_t tokens;
+};
+__device__ __forceinline__ seq_pages pages_of(const device_table& t, std::uint32_t page_tokens, std::uint32_t b) {
+  const std::uint32_t p0 = t.indptr[b];
+  const std::uint32_t np = t.indptr[b + 1] - p0;
+  return {t.indices + p0, np == 0 ? 0u : (np - 1) * page_tokens + t.last_page_len[b]};
+}
+
+// Dense key row dot products: s[g] += q_s[g][:] . k_row, for g < ng.
+template <format KF>
+__device__ __forceinline__ void dense_scores(const std::byte* row, const float (*q_s)[cuda_max_head_dim],
+                                             std::uint32_t D, std::uint32_t ng, float (&s)[kMaxG]) {
+  if constexpr (KF == format::f16) {
+    const auto* k = reinterpret_cast<const std::uint16_t*>(row);
+    if ((D % 8) == 0 && (reinterpret_cast<std::uintptr_t>(k) % 16) == 0) {
+      for (std::uint32_t d = 0; d < D; d += 8) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
+        const auto* h2 = reinterpret_cast<const __half2*>(&raw);
+        float kv[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __half22float2(h2[i]);
+          kv[2 * i] = f.x;
+          kv[2 * i + 1] = f.y;
+        }
+#pragma unroll
+        for (std::uint32_t g = 0; g < kMaxG; ++g)
+          if (g < ng) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[g] = fmaf(q_s[g][d + i], kv[i], s[g]);
+          }
+      }
+      return;
+    }
+    for (std::uint32_t d = 0; d < D; ++d) {
+      const float x = half_bits_to_float(k[d]);
+#pragma unroll
+      for (std::uint32_t g = 0; g < kMaxG; ++g)
+        if (g < ng) s[g] = fmaf(q_s[g][d], x, s[g]);
+    }
+  } else {
+    const auto* k = reinterpret_cast<const float*>(row);
+    for (std::uint32_t d = 0; d < D; ++d) {
+      const float x = k[d];
+#pragma unroll
+      for (std::uint32_t g = 0; g < kMaxG; ++g)
+        if (g < ng) s[g] = fmaf(q_s[g][d], x, s[g]);
+    }
+  }
+}
+
+struct partial_state_ref {
+  float* base;  // [q_heads][splits][2 + D] for this sequence
+  std::uint32_t splits, D;
+  __device__ float* at(std::uint32_t qh, std::uint32_t split) const {
+    return base + (static_cast<std::size_t>(qh) * splits + split) * (2 + D);
+  }
+};
+
+struct shared_storage {
+  float q[kMaxG][cuda_max_head_dim];                    // [g][d] query rows
+  union {
+    float qs[kWarps][kMaxG][cuda_max_head_dim];         // per warp: query with the page's scales folded in
+    float acc[kWarps][kMaxG][cuda_max_head_dim];        // per warp: final unnormalized outputs
+  } u;
+  float m[kWarps][kMaxG];
+  float l[kWarps][kMaxG];
+};
+
+template <format KF, format VF>
+__global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+                                                           std::uint32_t total_splits, float score_scale) {
+  __shared__ shared_storage sm;
+  const std::uint32_t b = blockIdx.x;
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
+  const std::uint32_t kvh = blockIdx.y / groups;
+  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
+  const std::uint32_t ng = min(kMaxG, gqa - g0);
+  const std::uint32_t qh0 = kvh * gqa + g0;
+  const std::uint32_t split = blockIdx.z;
+  const std::uint32_t D = p.head_dim;
+  const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const device_pages& pg = p.pages[seg];
+  const seq_pages sp = pages_of(p.tables[seg], pg.page_tokens, b);
+  const std::uint32_t t_begin = split * p.split_tokens;
+  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
+  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
+                              total_splits, D};
+
+  if (t_begin >= t_end) {  // empty split: a state the merge skips
+    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
+      float* st = out.at(qh0 + g, split_base + split);
+      st[0] = -INFINITY;
+      st[1] = 0.0f;
+    }
+    return;
+  }
+
+  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    sm.q[g][d] = p.q[(static_cast<std::size_t>(b) * p.q_heads + qh0 + g) * D + d] * score_scale;
+  }
+  __syncthreads();
+
+  float m[kMaxG], l[kMaxG], acc[kMaxG][kMaxJ];
+#pragma unroll
+  for (std::uint32_t g = 0; g < kMaxG; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (std::uint32_t j = 0; j < kMaxJ; ++j) acc[g][j] = 0.0f;
+  }
+  const std::uint32_t nj = (D + 31) / 32;
+  const std::uint32_t nvb = q4_value_blocks(D);
+
+  for (std::uint32_t t0 = t_begin + warp * 32; t0 < t_end; t0 += kWarps * 32) {
+    const std::uint32_t nt = min(32u, t_end - t0);
+    // This lane's token: page, slot and row addresses (q4 tiles are exactly one page).
+    const std::uint32_t t = t0 + min(lane, nt - 1);
+    const std::uint32_t page = sp.pages[t / pg.page_tokens];
+    const std::uint32_t slot = t % pg.page_tokens;
+    const std::byte* k_head = static_cast<const std::byte*>(pg.k) + page * pg.k_page_stride + kvh * pg.k_head_stride;
+    const std::byte* v_head = static_cast<const std::byte*>(pg.v) + page * pg.v_page_stride + kvh * pg.v_head_stride;
+
+    float s[kMaxG];
+#pragma unroll
+    for (std::uint32_t g = 0; g < kMaxG; ++g) s[g] = 0.0f;
+    if constexpr (KF == format::q4) {
+      // All lanes share one page (tile = page): fold its scales into the query once.
+      const auto* kb = reinterpret_cast<const q4_block*>(k_head);  // [D]
+      float cmin[kMaxG];
+#pragma unroll
+      for (std::uint32_t g = 0; g < kMaxG; ++g) cmin[g] = 0.0f;
+      for (std::uint32_t d = lane; d < D; d += 32) {
+        const float sc = half_bits_to_float(kb[d].scale.bits), mn = half_bits_to_float(kb[d].min.bits);
+#pragma unroll
+        for (std::uint32_t g = 0; g < kMaxG; ++g)
+          if (g < ng) {
+            sm.u.qs[warp][g][d] = sm.q[g][d] * sc;
+            cmin[g] = fmaf(sm.q[g][d], mn, cmin[g]);
+          }
+      }
+      __syncwarp();
+      const std::uint32_t byte = lane % 16, shift = lane < 16 ? 0 : 4;
+      for (std::uint32_t d = 0; d < D; ++d) {
+        const float c = static_cast<float>((kb[d].codes[byte] >> shift) & 0x0f);
+#pragma unroll
+        for (std::uint32_t g = 0; g < kMaxG; ++g)
+          if (g < ng) s[g] = fmaf(sm.u.qs[warp][g][d], c, s[g]);
+      }
+#pragma unroll
+      for (std::uint32_t g = 0; g < kMaxG; ++g) s[g] += warp_sum(cmin[g]);
+      __syncwarp();  // qs is rewritten by the next tile
+    } else {
+      dense_scores<KF>(k_head + static_cast<std::size_t>(slot) * D * dense_element_bytes(KF), sm.q, D, ng, s);
+    }
+
+    // Online softmax over the tile.
+    float pr[kMaxG];
+#pragma unroll
+    for (std::uint32_t g = 0; g < kMaxG; ++g) {
+      const float sg = lane < nt ? s[g] : -INFINITY;
+      const float m_new = fmaxf(m[g], warp_max(sg));
+      const float alpha = exp2f(m[g] - m_new);  // m = -inf at the first tile: alpha = 0
+      pr[g] = lane < nt ? exp2f(sg - m_new) : 0.0f;
+      l[g] = l[g] * alpha + warp_sum(pr[g]);
+      m[g] = m_new;
+#pragma unroll
+      for (std::uint32_t j = 0; j < kMaxJ; ++j) acc[g][j] *= alpha;
+    }
+
+    // Values: lanes over channels; token i's row address comes from lane i.
+    const auto v_addr = reinterpret_cast<unsigned long long>(
+        v_head + static_cast<std::size_t>(slot) *
+                     (VF == format::q4 ? nvb * sizeof(q4_block) : D * dense_element_bytes(VF)));
+    for (std::uint32_t i = 0; i < nt; ++i) {
+      const auto* row = reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, v_addr, i));
+      float w[kMaxG];
+#pragma unroll
+      for (std::uint32_t g = 0; g < kMaxG; ++g) w[g] = __shfl_sync(0xffffffffu, pr[g], i);
+#pragma unroll
+      for (std::uint32_t j = 0; j < kMaxJ; ++j) {
+        const std::uint32_t c = lane + 32 * j;
+        if (j < nj && c < D) {
+          if constexpr (VF == format::q4) {
+            const q4_block& vb = reinterpret_cast<const q4_block*>(row)[j];
+            const float sc = half_bits_to_float(vb.scale.bits), mn = half_bits_to_float(vb.min.bits);
+            const float code = static_cast<float>(lane < 16 ? (vb.codes[lane] & 0x0f) : (vb.codes[lane - 16] >> 4));
+#pragma unroll
+            for (std::uint32_t g = 0; g < kMaxG; ++g)
+              if (g < ng) acc[g][j] += fmaf(w[g] * sc, code, w[g] * mn);
+          } else {
+            const float x = VF == format::f32 ? reinterpret_cast<const float*>(row)[c]
+                                              : half_bits_to_float(reinterpret_cast<const std::uint16_t*>(row)[c]);
+#pragma unroll
+            for (std::uint32_t g = 0; g < kMaxG; ++g)
+              if (g < ng) acc[g][j] = fmaf(w[g], x, acc[g][j]);
+          }
+        }
+      }
+    }
+  }
+
+  // Merge the warps' states.
+  __syncthreads();  // every warp is done with sm.u.qs
+#pragma unroll
+  for (std::uint32_t g = 0; g < kMaxG; ++g)
+    if (g < ng) {
+#pragma unroll
+      for (std::uint32_t j = 0; j < kMaxJ; ++j)
+        if (j < nj && lane + 32 * j < D) sm.u.acc[warp][g][lane + 32 * j] = acc[g][j];
+      if (lane == 0) {
+        sm.m[warp][g] = m[g];
+        sm.l[warp][g] = l[g];
+      }
+    }
+  __syncthreads();
+  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
+    float sum = 0.0f, a = 0.0f;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) {
+        const float f = exp2f(sm.m[w][g] - mx);
+        sum += sm.l[w][g] * f;
+        a += sm.u.acc[w][g][d] * f;
+      }
+    float* st = out.at(qh0 + g, split_base + split);
+    if (d == 0) {
+      st[0] = mx;
+      st[1] = sum;
+    }
+    st[2 + d] = a;
+  }
+}
+
+// One block per (sequence, query head): combines every split's partial state.
+__global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
+  const std::uint32_t b = blockIdx.x, qh = blockIdx.y, D = p.head_dim;
+  const partial_state_ref in{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
+                             total_splits, D};
+  float mx = -INFINITY;
+  for (std::uint32_t s = 0; s < total_splits; ++s) {
+    const float* st = in.at(qh, s);
+    if (st[1] > 0.0f) mx = fmaxf(mx, st[0]);
+  }
+  float sum = 0.0f;
+  for (std::uint32_t s = 0; s < total_splits; ++s) {
+    const float* st = in.at(qh, s);
+    if (st[1] > 0.0f) sum += st[1] * exp2f(st[0] - mx);
+  }
+  float* o = p.out + (static_cast<std::size_t>(b) * p.q_heads + qh) * D;
+  for (std::uint32_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+    for (std::uint32_t s = 0; s < total_splits; ++s) {
+      const float* st = in.at(qh, s);
+      if (st[1] > 0.0f) a += st[2 + d] * exp2f(st[0] - mx);
+    }
+    o[d] = sum > 0.0f ? a / sum : 0.0f;
+  }
+}
+
+using partial_fn = void (*)(attend_params, std::uint32_t, std::uint32_t, std::uint32_t, float);
+
+template <format KF>
+partial_fn pick_v(format vf) {
+  switch (vf) {
+    case format::f32: return attend_partial<KF, format::f32>;
+    case format::f16: return attend_partial<KF, format::f16>;
+    case format::q4: return attend_partial<KF, format::q4>;
+  }
+  return nullptr;
+}
+
+partial_fn pick(format kf, format vf) {
+  switch (kf) {
+    case format::f32: return pick_v<format::f32>(vf);
+    case format::f16: return pick_v<format::f16>(vf);
+    case format::q4: return pick_v<format::q4>(vf);
+  }
+  return nullptr;
+}
+
+bool known(format f) { return f == format::f32 || f == format::f16 || f == format::q4; }
+
+
+/// Host-side validation of cuda_attend's parameters (no CUDA call).
+inline result<void> validate_attend(const attend_params& p) {
+  if (p.segments != 1 && p.segments != 2)
+    return fail(errc::invalid_argument, "cuda_attend: segments must be 1 or 2", {{"segments", p.segments}});
+  if (p.batch == 0 || p.kv_heads == 0 || p.head_dim == 0 || p.q_heads == 0)
+    return fail(errc::invalid_argument, "cuda_attend: zero dimension",
+                {{"batch", p.batch}, {"q_heads", p.q_heads}, {"kv_heads", p.kv_heads}, {"head_dim", p.head_dim}});
+  if (p.q_heads % p.kv_heads != 0)
+    return fail(errc::invalid_argument, "cuda_attend: q_heads must be a multiple of kv_heads",
+                {{"q_heads", p.q_heads}, {"kv_heads", p.kv_heads}});
+  if (p.head_dim > cuda_max_head_dim)
+    return fail(errc::unsupported, "cuda_attend: head_dim above the kernel's limit",
+                {{"head_dim", p.head_dim}, {"max", cuda_max_head_dim}});
+  if (p.split_tokens == 0 || p.split_tokens % 32 != 0)
+    return fail(errc::invalid_argument, "cuda_attend: split_tokens must be a positive multiple of 32",
+                {{"split_tokens", p.split_tokens}});
+  if (p.q == nullptr || p.out == nullptr || p.workspace == nullptr)
+    return fail(errc::invalid_argument, "cuda_attend: null q, out or workspace");
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const std::size_t grid_y = static_cast<std::size_t>(p.kv_heads) * ((gqa + kMaxG - 1) / kMaxG);
+  if (grid_y > 65535 || p.q_heads > 65535)
+    return fail(errc::invalid_argument, "cuda_attend: too many heads for the grid", {{"q_heads", p.q_heads}});
+  for (std::uint32_t s = 0; s < p.segments; ++s) {
+    const device_pages& pg = p.pages[s];
+    const device_table& t = p.tables[s];
+    if (!known(pg.k_format) || !known(pg.v_format))
+      return fail(errc::invalid_argument, "cuda_attend: unknown format", {{"segment", s}});
+    if (pg.page_tokens == 0 || pg.k == nullptr || pg.v == nullptr)
+      return fail(errc::invalid_argument, "cuda_attend: segment pages", {{"segment", s}, {"page_tokens", pg.page_tokens}});
+    if ((pg.k_format == format::q4 || pg.v_format == format::q4) && pg.page_tokens != q4_group)
+      return fail(errc::unsupported, "cuda_attend: q4 pages must hold 32 tokens", {{"segment", s}, {"page_tokens", pg.page_tokens}});
+    if (t.batch != p.batch || t.indptr == nullptr || t.indices == nullptr || t.last_page_len == nullptr)
+      return fail(errc::invalid_argument, "cuda_attend: segment table", {{"segment", s}, {"table_batch", t.batch}, {"batch", p.batch}});
+    if (p.max_splits[s] == 0 || p.max_splits[s] > 65535)
+      return fail(errc::invalid_argument, "cuda_attend: max_splits", {{"segment", s}, {"max_splits", p.max_splits[s]}});
+  }
+  return {};
+}
+
+/// Launches the kernels of a validated attend: `launch(kernel, grid, block, args...)` returns
+/// result<void> (a CUDA launch on a stream, or the CPU emulation of the tests).
+template <class Launch>
+result<void> launch_attend(const attend_params& p, Launch&& launch) {
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const auto grid_y = static_cast<unsigned>(p.kv_heads * ((gqa + kMaxG - 1) / kMaxG));
+  const float scale = (p.scale != 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim))) * kLog2e;
+  const std::uint32_t total = p.max_splits[0] + (p.segments == 2 ? p.max_splits[1] : 0u);
+  std::uint32_t base = 0;
+  for (std::uint32_t s = 0; s < p.segments; ++s) {
+    const partial_fn fn = pick(p.pages[s].k_format, p.pages[s].v_format);
+    KVCACHE_TRY(launch(fn, dim3(p.batch, grid_y, p.max_splits[s]), dim3(kThreads), p, s, base, total, scale));
+    base += p.max_splits[s];
+  }
+  return launch(attend_merge, dim3(p.batch, p.q_heads), dim3(128), p, total);
+}
+
+}  // namespace
+}  // namespace kvcache
