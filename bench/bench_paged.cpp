@@ -22,6 +22,8 @@ using namespace kvcache;
 
 const geometry shape{8, 8, 128};
 constexpr std::uint32_t block = 16;
+constexpr std::size_t append_capacity = 4096;  // tokens per sequence in the append benchmarks
+constexpr std::size_t view_tokens = 4096;      // sequence length in the view benchmarks
 
 std::size_t stored_bytes_per_token(format f) { return 2 * shape.layers * shape.token_width() * dense_element_bytes(f); }
 
@@ -174,21 +176,23 @@ const bool registered = [] {
   for (const format f : {format::f16, format::f32}) {
     const std::string fs(to_string(f));
     for (const std::size_t n : {std::size_t{1}, std::size_t{16}, std::size_t{256}}) {
-      const std::size_t cap = 4096;
       benchmark::RegisterBenchmark(("BM_append/paged/" + fs + "/tokens:" + std::to_string(n)).c_str(),
-                                   [f, n, cap](benchmark::State& st) { append(st, make_paged(f, cap), f, n, cap); })
+                                   [f, n](benchmark::State& st) {
+                                     append(st, make_paged(f, append_capacity), f, n, append_capacity);
+                                   })
           ->UseRealTime();
-      benchmark::RegisterBenchmark(
-          ("BM_append/contiguous/" + fs + "/tokens:" + std::to_string(n)).c_str(),
-          [f, n, cap](benchmark::State& st) { append(st, make_contiguous(f, cap), f, n, cap); })
+      benchmark::RegisterBenchmark(("BM_append/contiguous/" + fs + "/tokens:" + std::to_string(n)).c_str(),
+                                   [f, n](benchmark::State& st) {
+                                     append(st, make_contiguous(f, append_capacity), f, n, append_capacity);
+                                   })
           ->UseRealTime();
     }
-    const std::size_t ctx = 4096;
-    benchmark::RegisterBenchmark(("BM_view/paged/" + fs + "/ctx:" + std::to_string(ctx)).c_str(),
-                                 [f, ctx](benchmark::State& st) { view(st, make_paged(f, ctx), f, ctx); })
+    benchmark::RegisterBenchmark(("BM_view/paged/" + fs + "/ctx:" + std::to_string(view_tokens)).c_str(),
+                                 [f](benchmark::State& st) { view(st, make_paged(f, view_tokens), f, view_tokens); })
         ->UseRealTime();
-    benchmark::RegisterBenchmark(("BM_view/contiguous/" + fs + "/ctx:" + std::to_string(ctx)).c_str(),
-                                 [f, ctx](benchmark::State& st) { view(st, make_contiguous(f, ctx), f, ctx); })
+    benchmark::RegisterBenchmark(
+        ("BM_view/contiguous/" + fs + "/ctx:" + std::to_string(view_tokens)).c_str(),
+        [f](benchmark::State& st) { view(st, make_contiguous(f, view_tokens), f, view_tokens); })
         ->UseRealTime();
   }
   for (const std::size_t blocks : {std::size_t{1}, std::size_t{64}})

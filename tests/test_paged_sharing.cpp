@@ -99,6 +99,9 @@ TEST(paged_cache_config_check, shared_pool_shape_must_match) {
   ASSERT_TRUE(c.has_value());
   EXPECT_EQ(c.value().shape(), g);
   EXPECT_EQ(c.value().pool(), pool);
+  cfg.expected_tokens = 8 * 16 + 1;
+  expect_error(kvcache::paged_cache<cpu>::create(cfg), errc::invalid_argument,
+               {"expected_tokens=129", "pool_tokens=128"});
   paged_config<cpu> own;
   own.shape = g;
   own.budget_bytes = 1;

@@ -109,7 +109,8 @@ class paged_cache<cpu> {
 
   /// Builds an empty cache on cfg.pool, or on a new pool made from cfg's shape, storage,
   /// block_tokens and budget_bytes. Errors: those of block_pool::create; errc::invalid_argument
-  /// when cfg.shape is non-zero and differs from the shared pool's (naming the first mismatch).
+  /// when cfg.shape is non-zero and differs from the shared pool's (naming both), when
+  /// max_sequences >= 2^32, or when expected_tokens exceeds the tokens the pool holds.
   [[nodiscard]] static result<paged_cache> create(const paged_config<cpu>& cfg) {
     std::shared_ptr<pool_type> pool = cfg.pool;
     if (pool) {
@@ -132,6 +133,11 @@ class paged_cache<cpu> {
     if (cfg.max_sequences > std::numeric_limits<std::uint32_t>::max())
       return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
                   {{"max_sequences", static_cast<long long>(cfg.max_sequences)}});
+    const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * pool->block_tokens();
+    if (cfg.expected_tokens > pool_tokens)
+      return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
+                  {{"expected_tokens", static_cast<long long>(cfg.expected_tokens)},
+                   {"pool_tokens", static_cast<long long>(pool_tokens)}});
     return paged_cache(cfg, std::move(pool));
   }
 
