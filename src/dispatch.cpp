@@ -8,8 +8,21 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace kvcache {
 namespace {
+
+#if defined(KVCACHE_HAVE_AVX2) || defined(KVCACHE_HAVE_AVX512)
+// CPUID.1:ECX.F16C (clang 14's __builtin_cpu_supports does not know "f16c"). The AVX checks
+// beside it cover the OS enabling YMM state.
+bool has_f16c() noexcept {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+#endif
 
 bool cpu_has(isa i) noexcept {
   switch (i) {
@@ -17,14 +30,14 @@ bool cpu_has(isa i) noexcept {
 #if defined(KVCACHE_HAVE_AVX2)
     case isa::avx2:
       __builtin_cpu_init();
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
     case isa::avx512:
       __builtin_cpu_init();
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("fma") && has_f16c();
 #endif
 #if defined(KVCACHE_HAVE_NEON)
     case isa::neon: return true;  // Advanced SIMD is baseline on aarch64
