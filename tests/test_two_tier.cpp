@@ -593,7 +593,7 @@ TEST(two_tier, key_and_value_formats_are_independent) {
                                std::pair{format::f16, format::f16}, std::pair{format::q4, format::q4}}) {
     cache_t c = make(config_of(g, 32, kf, vf));
     auto m = kvcache_test::create_seq(c);
-    for (int i = 0; i < 12; ++i) grow(c, m, rnd.between(1, 40), rnd);
+    for (int i = 0; i < 12; ++i) grow(c, m, rnd.between(20, 40), rnd);  // 240..480 tokens
     const std::size_t groups = c.info(m.id).value().store_groups;
     ASSERT_GT(groups, 3u);
     for (std::uint32_t l = 0; l < g.layers; ++l) {
