@@ -14,4 +14,5 @@
 #include <kvcache/kernels.hpp>
 #include <kvcache/paged_cache.hpp>
 #include <kvcache/placement.hpp>
+#include <kvcache/two_tier_cache.hpp>
 #include <kvcache/view.hpp>
