@@ -16,6 +16,8 @@
 //   - BM_memcpy (bytes read + bytes written) for copy-like benchmarks: those that call
 //     kvcache::bench::compare_to_memcpy(state) (sets the counter "copy_like" = 1);
 //   - BM_read (bytes read) for every other benchmark.
+// It also prints GB/s over the run's CPU time and that ratio: on a shared, loaded machine these
+// approximate an unloaded core (memory-bound runs still share the memory bandwidth).
 // Baselines: BM_read and BM_memcpy over 256 MiB (well beyond the caches), 1 and 2 threads
 // (BM_read/real_time/threads:2 ...). Their names start with "BM_read" / "BM_memcpy".
 #include <benchmark/benchmark.h>

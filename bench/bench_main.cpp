@@ -18,6 +18,7 @@ struct run_figures {
   int threads = 1;
   double bytes_per_second = 0;  // 0 when not set
   double items_per_second = 0;
+  double real_over_cpu = 0;  // real time / CPU time of the run (0 when CPU time is 0)
   bool copy_like = false;
   bool error = false;
 };
@@ -40,6 +41,8 @@ class collecting_reporter : public benchmark::ConsoleReporter {
       f.bytes_per_second = counter_or_zero(r, "bytes_per_second");
       f.items_per_second = counter_or_zero(r, "items_per_second");
       f.copy_like = counter_or_zero(r, kvcache::bench::copy_like_counter) != 0.0;
+      const double cpu = r.GetAdjustedCPUTime();
+      f.real_over_cpu = cpu > 0 ? r.GetAdjustedRealTime() / cpu : 0.0;
       figures.push_back(std::move(f));
     }
     ConsoleReporter::ReportRuns(runs);
@@ -57,24 +60,40 @@ const run_figures* baseline(const std::vector<run_figures>& all, std::string_vie
   return any;
 }
 
+std::string si(double v) {
+  char buf[32];
+  if (v <= 0) return "-";
+  if (v >= 1e9) std::snprintf(buf, sizeof buf, "%.3f G", v / 1e9);
+  else if (v >= 1e6) std::snprintf(buf, sizeof buf, "%.3f M", v / 1e6);
+  else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.3f k", v / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.3f", v);
+  return buf;
+}
+
+// Columns: GB/s and items/s over real time; GB/s over the run's CPU time (the thread's own time,
+// excluding time descheduled: on a shared, loaded machine the closer figure for an unloaded
+// core, summed over threads for multi-threaded runs); the baseline and the real-time ratio.
 void print_report(const std::vector<run_figures>& all) {
   std::printf("\nkvcache report (ISA active at start: %s; ratios against baselines of this run)\n",
               std::string(kvcache::to_string(kvcache::active_isa())).c_str());
-  std::printf("%-52s %10s %12s  %-26s %7s\n", "benchmark", "GB/s", "G items/s", "baseline", "ratio");
+  std::printf("%-56s %9s %12s %9s  %-30s %7s %9s\n", "benchmark", "GB/s", "items/s", "cpu GB/s", "baseline",
+              "ratio", "cpu ratio");
   for (const run_figures& f : all) {
     if (f.error) {
-      std::printf("%-52s %10s\n", f.name.c_str(), "error");
+      std::printf("%-56s %9s\n", f.name.c_str(), "error");
       continue;
     }
     const run_figures* b = baseline(all, f.copy_like ? "BM_memcpy" : "BM_read", f.threads);
-    char items[32] = "-";
-    if (f.items_per_second > 0) std::snprintf(items, sizeof items, "%.3f", f.items_per_second / 1e9);
-    if (f.bytes_per_second > 0 && b != nullptr)
-      std::printf("%-52s %10.2f %12s  %-26s %7.3f\n", f.name.c_str(), f.bytes_per_second / 1e9, items,
-                  b->name.c_str(), f.bytes_per_second / b->bytes_per_second);
-    else
-      std::printf("%-52s %10.2f %12s  %-26s %7s\n", f.name.c_str(), f.bytes_per_second / 1e9, items,
-                  b != nullptr ? b->name.c_str() : "(no baseline run)", "-");
+    const double cpu_bw = f.bytes_per_second * f.real_over_cpu;
+    char ratio[16] = "-", cpu_ratio[16] = "-";
+    if (f.bytes_per_second > 0 && b != nullptr) {
+      std::snprintf(ratio, sizeof ratio, "%.3f", f.bytes_per_second / b->bytes_per_second);
+      const double b_cpu = b->bytes_per_second * b->real_over_cpu;
+      if (cpu_bw > 0 && b_cpu > 0) std::snprintf(cpu_ratio, sizeof cpu_ratio, "%.3f", cpu_bw / b_cpu);
+    }
+    std::printf("%-56s %9.2f %12s %9.2f  %-30s %7s %9s\n", f.name.c_str(), f.bytes_per_second / 1e9,
+                si(f.items_per_second).c_str(), cpu_bw / 1e9, b != nullptr ? b->name.c_str() : "(no baseline run)",
+                ratio, cpu_ratio);
   }
 }
 
