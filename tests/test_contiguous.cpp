@@ -307,6 +307,56 @@ TEST(contiguous, half_input_overload) {
   }
 }
 
+TEST(contiguous, fork_and_copy_prefix_copy_rows) {
+  using namespace kvcache_test;
+  const geometry g{3, 2, 40};
+  for (format f : {format::f32, format::f16}) {
+    random_source rnd;
+    SCOPED_TRACE(rnd.trace() + ", " + std::string(kvcache::to_string(f)));
+    const double tol = f == format::f32 ? 0.0 : 0x1p-12;
+    auto c = make(g, f, 4, 64);
+    model_seq src = create_seq(c);
+    ASSERT_TRUE(append(c, src, 23, rnd));
+
+    model_seq whole = src;
+    const auto forked = c.fork(src.id);
+    ASSERT_TRUE(forked.has_value()) << forked.error().message;
+    whole.id = forked.value();
+    model_seq part = src;
+    const auto copied = c.copy_prefix(src.id, 9);
+    ASSERT_TRUE(copied.has_value()) << copied.error().message;
+    part.id = copied.value();
+    truncate_model(part, 9, g);
+    EXPECT_EQ(c.stats().tokens, 23u + 23u + 9u);
+    expect_matches(c, whole, tol);
+    expect_matches(c, part, tol);
+    // Copies, not shared storage: each sequence grows on its own.
+    EXPECT_NE(c.view(whole.id, 0).value()[0].k, c.view(src.id, 0).value()[0].k);
+    ASSERT_TRUE(append(c, src, 5, rnd));
+    ASSERT_TRUE(append(c, whole, 3, rnd));
+    ASSERT_TRUE(append(c, part, 7, rnd));
+    expect_matches(c, src, tol);
+    expect_matches(c, whole, tol);
+    expect_matches(c, part, tol);
+
+    // Failures leave everything as it was.
+    const std::vector<seq_id> ids{src.id, whole.id, part.id};
+    KVCACHE_SUITE_EXPECT_FAILS_UNCHANGED(c, ids, errc::out_of_range, c.copy_prefix(src.id, 29));
+    KVCACHE_SUITE_EXPECT_FAILS_UNCHANGED(c, ids, errc::unknown_sequence, c.fork(seq_id{999}));
+    ASSERT_TRUE(c.reserve(src.id, 1).has_value());
+    KVCACHE_SUITE_EXPECT_FAILS_UNCHANGED(c, ids, errc::reservation_pending, c.fork(src.id));
+    const auto empty = c.copy_prefix(whole.id, 0);  // fills the last slot
+    ASSERT_TRUE(empty.has_value());
+    EXPECT_EQ(c.length(empty.value()).value(), 0u);
+    EXPECT_EQ(c.view(empty.value(), 0).value().count, 0u);
+    KVCACHE_SUITE_EXPECT_FAILS_UNCHANGED(c, ids, errc::capacity_exceeded, c.fork(whole.id));
+    ASSERT_TRUE(c.release(src.id).has_value());
+    KVCACHE_SUITE_EXPECT_FAILS_UNCHANGED(c, ids, errc::unknown_sequence, c.fork(src.id));
+    expect_matches(c, whole, tol);
+    expect_matches(c, part, tol);
+  }
+}
+
 TEST(contiguous, error_messages_name_the_values) {
   const geometry g{2, 2, 8};
   auto c = make(g, format::f32, 1, 16);

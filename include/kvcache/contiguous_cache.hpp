@@ -8,7 +8,8 @@
 ///   for each layer l: K_l then V_l, each // [kv_head][capacity_tokens][head_dim] elements
 ///   of the storage format (f32 or f16), each buffer starting on a 64-byte boundary.
 /// Committed tokens are slots 0..length-1 of every head; a reservation of n tokens occupies
-/// slots length..length+n-1 until commit makes them visible.
+/// slots length..length+n-1 until commit makes them visible. fork / copy_prefix copy rows (a
+/// contiguous cache shares nothing; use the paged cache to share prefixes).
 
 #include <kvcache/cache.hpp>
 #include <kvcache/config.hpp>
@@ -242,6 +243,18 @@ class contiguous_cache<cpu> {
     return {};
   }
 
+  /// A new sequence holding a copy of src's first n committed tokens. A contiguous cache shares
+  /// nothing: the rows of every layer, head, K and V are copied into the new sequence's own
+  /// storage (allocated as by create()). Errors: unknown_sequence; reservation_pending if src has
+  /// an open reservation; out_of_range if n > src's length (naming both); capacity_exceeded when
+  /// max_sequences are live; out_of_memory. The cache is unchanged on failure.
+  [[nodiscard]] result<seq_id> copy_prefix(seq_id src, std::size_t n) {
+    return copy_prefix_impl(src, n, false, "copy_prefix");
+  }
+
+  /// A new sequence holding a copy of all of src's committed tokens (see copy_prefix).
+  [[nodiscard]] result<seq_id> fork(seq_id src) { return copy_prefix_impl(src, 0, true, "fork"); }
+
   /// Releases a sequence (an open reservation is dropped) and frees its storage; the id is
   /// rejected with unknown_sequence ever after.
   [[nodiscard]] result<void> release(seq_id id) {
@@ -336,6 +349,31 @@ class contiguous_cache<cpu> {
       for (std::size_t t = 0; t < rows; ++t)
         kt.f16_to_f32(src + t * src_stride, reinterpret_cast<float*>(dst + t * row_bytes), head_dim);
     }
+  }
+
+  [[nodiscard]] result<seq_id> copy_prefix_impl(seq_id src_id, std::size_t n, bool all, const char* what) {
+    result<std::uint32_t> src_slot = ids_.slot(src_id, what);
+    KVCACHE_TRY(src_slot);
+    const sequence& src = seqs_[src_slot.value()];  // seqs_ never reallocates: stays valid
+    if (all) n = src.length;
+    if (src.reserved)
+      return fail(errc::reservation_pending, what,
+                  {{"seq", static_cast<long long>(src_id.value)}, {"pending", static_cast<long long>(src.pending)}});
+    if (n > src.length)
+      return fail(errc::out_of_range, what, {{"n", static_cast<long long>(n)}, {"length", static_cast<long long>(src.length)}});
+    result<seq_id> id = create();
+    KVCACHE_TRY(id);
+    sequence& dst = seqs_[ids_.slot(id.value(), what).value()];
+    const std::size_t bytes = n * cfg_.shape.head_dim * dense_element_bytes(cfg_.storage);
+    for (std::size_t b = 0; b < 2 * static_cast<std::size_t>(cfg_.shape.layers); ++b)
+      for (std::uint32_t h = 0; h < cfg_.shape.kv_heads; ++h) {
+        const std::size_t off = b * buffer_bytes_ + h * head_bytes_;
+        std::memcpy(dst.storage.get() + off, src.storage.get() + off, bytes);
+      }
+    dst.length = n;
+    tokens_ += n;
+    set_chunk_tokens(dst);
+    return id;
   }
 
   template <class T>
