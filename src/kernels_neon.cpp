@@ -15,6 +15,7 @@ namespace {
 struct V {
   static constexpr isa which = isa::neon;
   static constexpr unsigned W = 4;
+  static constexpr unsigned score_queries = 8;  // queries per pass over a K tile
   static constexpr unsigned score_acc = 16;
   static constexpr unsigned acc_regs = 16;
   static constexpr unsigned q4_queries = 2;  // 8 accumulators per query + 8 decoded codes

@@ -325,15 +325,19 @@ void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* 
 template <class K>
 void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
                   std::uint32_t head_dim, float* out, std::size_t out_stride) {
-  // Token tiles small enough to stay in L1 while query chunks of up to 8 loop over them.
+  // Token tiles small enough to stay in L1 while the query passes loop over them.
   const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
     const unsigned nt = umin(tile, tokens - t0);
-    for (unsigned i0 = 0; i0 < nq; i0 += 8) {
+    // Queries in balanced passes of at most V::score_queries (6 = 3 + 3 rather than 4 + 2).
+    for (unsigned i0 = 0; i0 < nq;) {
+      const unsigned rest = nq - i0, passes = (rest + V::score_queries - 1) / V::score_queries;
+      const unsigned n = (rest + passes - 1) / passes;
       const float* qi = q + std::size_t(i0) * head_dim;
       const K* kt = k + std::size_t(t0) * head_dim;
       float* o = out + i0 * out_stride + t0;
-      switch (umin(8u, nq - i0)) {
+      i0 += n;
+      switch (n) {
         case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride); break;
         case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride); break;
         case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride); break;
