@@ -4,6 +4,8 @@
 #   gcc      g++ 12, Release, -Werror, CUDA backend too when nvcc is found; everything; ctest
 #   clang    clang 14, Release, -Werror, no CUDA; everything; ctest
 #   asan     AddressSanitizer + UndefinedBehaviorSanitizer, -O1 -g with asserts on, no CUDA/bench; ctest
+#            (sanitizer stages do not use -Werror: GCC's warnings at -O1 under instrumentation have
+#            false positives; the gcc and clang stages hold the warning line)
 #   tsan     ThreadSanitizer build of the tests whose name contains "threads"; ctest -R threads
 #   aarch64  cross build for aarch64 and run under qemu (scripts/cross_aarch64.sh)
 # Any failure fails the script; a summary of stage times and test counts is printed at the end.
@@ -43,23 +45,28 @@ current_stage=""
 stage_start=0
 stage_cpu0=0
 
-# CPU seconds (user + system) used so far by finished child processes: with the wall time it shows
-# what a stage costs on a machine that is busy with other work.
+# CPU seconds (user + system) used so far by finished child processes, in $cpu_now: with the wall
+# time it shows what a stage costs on a machine that is busy with other work. (`times` must run in
+# this shell, not in a $(...) subshell, to see this shell's children.)
+times_file="$(mktemp)"
+cpu_now=0
 cpu_seconds() {
-  times | tail -1 | awk '{ t = 0; for (i = 1; i <= 2; ++i) { split($i, a, "m"); t += a[1] * 60 + a[2] } printf "%d", t }'
+  times >"$times_file"
+  cpu_now=$(tail -1 "$times_file" | awk '{ t = 0; for (i = 1; i <= 2; ++i) { split($i, a, "m"); t += a[1] * 60 + a[2] } printf "%d", t }')
 }
-script_start=$SECONDS
 
 print_summary() {
   local status=$1
+  cpu_seconds
+  rm -f "$times_file"
   banner "summary: stage times ($(nproc) cores, -j$jobs)"
   local line
   for line in "${summary[@]}"; do echo "$line"; done
   if [[ $status -ne 0 && -n "$current_stage" ]]; then
     printf '%-8s %-7s %5ds wall %6ds cpu   %s\n' "$current_stage" FAILED $((SECONDS - stage_start)) \
-      $(($(cpu_seconds) - stage_cpu0)) "$tests_line"
+      $((cpu_now - stage_cpu0)) "$tests_line"
   fi
-  printf '%-8s %-7s %5ds wall %6ds cpu\n' total "" $((SECONDS - script_start)) "$(cpu_seconds)"
+  printf '%-8s %-7s %5ds wall %6ds cpu\n' total "" $((SECONDS - script_start)) "$cpu_now"
   if [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"; else echo "test.sh: FAILED"; fi
 }
 trap 'print_summary $?' EXIT
@@ -114,13 +121,15 @@ configure_build() {
 stage_begin() {
   current_stage=$1
   stage_start=$SECONDS
-  stage_cpu0=$(cpu_seconds)
+  cpu_seconds
+  stage_cpu0=$cpu_now
   tests_line=""
   banner "stage $1: $2"
 }
 stage_end() {  # stage_end [status] [note]: status passed (default) or skipped; note defaults to ctest's line
+  cpu_seconds
   summary+=("$(printf '%-8s %-7s %5ds wall %6ds cpu   %s' "$current_stage" "${1:-passed}" $((SECONDS - stage_start)) \
-    $(($(cpu_seconds) - stage_cpu0)) "${2:-$tests_line}")")
+    $((cpu_now - stage_cpu0)) "${2:-$tests_line}")")
   current_stage=""
 }
 
@@ -150,7 +159,7 @@ for stage in $stages; do
       stage_begin asan "$gxx, -fsanitize=address,undefined, -O1 -g with asserts, CUDA and bench off"
       # RelWithDebInfo without -DNDEBUG: internal asserts stay on.
       configure_build asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
-        "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=ON -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF \
+        "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=OFF -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF \
         -DKVCACHE_SANITIZE=address,undefined
       ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
       UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -162,7 +171,7 @@ for stage in $stages; do
       dir=build/tsan
       if [[ "${KVCACHE_CLEAN:-0}" == 1 ]]; then rm -rf "$dir"; fi
       cmake -S . -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=ON \
+        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_COMPILER=$gxx" -DKVCACHE_WERROR=OFF \
         -DKVCACHE_CUDA=OFF -DKVCACHE_BUILD_BENCH=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_SANITIZE=thread
       # Test names are their target names (tests/test_<name>.cpp -> test_<name>).
       mapfile -t tsan_tests < <(cd "$dir" && ctest -N -R threads | sed -n 's/^ *Test *#[0-9]*: *//p')

@@ -3,7 +3,8 @@
 #                      check what was installed, then configure + build + run tests/consumer
 #                      against it with find_package (fmt lookups disabled: consumers need no fmt).
 #   MODE=subdirectory  configure + build + run tests/consumer with add_subdirectory(KVCACHE_SOURCE_DIR).
-# Other inputs: WORK_DIR, GENERATOR, CXX_COMPILER, BUILD_TYPE, SANITIZE, HAVE_CUDA, CUDA_COMPILER.
+# Other inputs: WORK_DIR, GENERATOR, CXX_COMPILER, BUILD_TYPE, SANITIZE, WERROR, HAVE_CUDA,
+# CUDA_COMPILER.
 
 foreach(var IN ITEMS MODE WORK_DIR KVCACHE_SOURCE_DIR GENERATOR CXX_COMPILER)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
@@ -35,8 +36,13 @@ if(SANITIZE)
   list(APPEND flag_args "-DCMAKE_CXX_FLAGS=-fsanitize=${SANITIZE} -fno-omit-frame-pointer"
        "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=${SANITIZE}")
 endif()
+if(WERROR)
+  set(WERROR ON)
+else()
+  set(WERROR OFF)
+endif()
 set(common_args -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}"
-    ${flag_args})
+    "-DKVCACHE_CONSUMER_WERROR=${WERROR}" ${flag_args})
 
 if(MODE STREQUAL "package")
   if(NOT KVCACHE_BINARY_DIR)
@@ -114,10 +120,10 @@ if(MODE STREQUAL "package")
            "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_DISABLE_FIND_PACKAGE_fmt=ON
            -DKVCACHE_CONSUMER_MODE=package ${cuda_args})
 elseif(MODE STREQUAL "subdirectory")
-  # CUDA off: this checks the CPU part as a sub-project; kvcache's own warnings as errors.
+  # CUDA off: this checks the CPU part as a sub-project, with this build's warning policy.
   run_step("configure" "${CMAKE_COMMAND}" -S "${consumer_src}" -B "${consumer_build}" ${common_args}
            -DKVCACHE_CONSUMER_MODE=subdirectory "-DKVCACHE_SOURCE_DIR=${KVCACHE_SOURCE_DIR}"
-           -DKVCACHE_CUDA=OFF -DKVCACHE_WERROR=ON "-DKVCACHE_SANITIZE=${SANITIZE}")
+           -DKVCACHE_CUDA=OFF "-DKVCACHE_WERROR=${WERROR}" "-DKVCACHE_SANITIZE=${SANITIZE}")
 else()
   message(FATAL_ERROR "consumer/run.cmake: unknown MODE '${MODE}'")
 endif()
