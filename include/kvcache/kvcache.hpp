@@ -2,6 +2,7 @@
 /// @file kvcache.hpp
 /// Umbrella header: the whole public CPU API of kvcache.
 
+#include <kvcache/attend.hpp>
 #include <kvcache/block_pool.hpp>
 #include <kvcache/cache.hpp>
 #include <kvcache/config.hpp>
