@@ -88,6 +88,7 @@ namespace detail {
 /// thread that adopts the block under the lock later sees the finished data.
 class block_ledger {
  public:
+  /// "No block": the parent of a sequence's first block, or no partial tail.
   static constexpr std::uint32_t no_block = 0xffffffffu;
 
   /// Outcome of acquire().
@@ -98,6 +99,7 @@ class block_ledger {
     std::size_t available = 0;  ///< free + cached blocks at the time
   };
 
+  /// `blocks` free blocks of `block_tokens` tokens; `hash` replaces prefix_hash when non-null.
   block_ledger(std::uint32_t blocks, std::uint32_t block_tokens, prefix_hash_fn hash);
 
   /// Makes `tail` (the partial last block new tokens go into; no_block if none) writable and
@@ -145,7 +147,9 @@ class block_ledger {
   /// a violation. O(blocks); for tests.
   [[nodiscard]] bool check(std::uint32_t* bad = nullptr) const;
 
+  /// Number of blocks.
   [[nodiscard]] std::uint32_t blocks() const noexcept { return blocks_; }
+  /// Tokens per block (B).
   [[nodiscard]] std::uint32_t block_tokens() const noexcept { return block_tokens_; }
 
  private:
