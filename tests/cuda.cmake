@@ -30,3 +30,34 @@ kvcache_set_warnings(test_cuda_emulated)
 target_compile_options(test_cuda_emulated PRIVATE -Wno-unknown-pragmas -ffp-contract=off)
 add_test(NAME test_cuda_emulated COMMAND test_cuda_emulated)
 set_tests_properties(test_cuda_emulated PROPERTIES LABELS cuda)
+
+# Emulated builds of the device tests: the caches' host code (cuda/*.cpp, cuda/runtime.cu) and
+# the unchanged device tests, linked against an emulated CUDA runtime (tests/cuda/emu_runtime:
+# a fake cuda_runtime.h with host memory as device memory, stream capture recorded into graphs)
+# and the kernels run on the CPU by tests/cuda/emulator.hpp. No nvcc, no GPU: built in every
+# configuration; the ctest names end in _emulated. They check the host logic and the kernels'
+# logic end to end, not the real runtime, compiler or hardware.
+option(KVCACHE_CUDA_EMULATED_TESTS "Build the CPU-emulated CUDA tests" ON)
+if(KVCACHE_CUDA_EMULATED_TESTS)
+  add_library(kvcache_cuda_emu STATIC
+    ${CMAKE_CURRENT_LIST_DIR}/cuda/emu_runtime/runtime_emu.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/cuda/emu_runtime/emu_launch.cpp
+    ${PROJECT_SOURCE_DIR}/cuda/contiguous_cache.cpp
+    ${PROJECT_SOURCE_DIR}/cuda/paged_cache.cpp
+    ${PROJECT_SOURCE_DIR}/cuda/two_tier_cache.cpp)
+  target_include_directories(kvcache_cuda_emu BEFORE PUBLIC ${CMAKE_CURRENT_LIST_DIR}/cuda/emu_runtime)
+  target_include_directories(kvcache_cuda_emu PRIVATE ${PROJECT_SOURCE_DIR}/cuda ${CMAKE_CURRENT_LIST_DIR}/cuda)
+  target_link_libraries(kvcache_cuda_emu PUBLIC kvcache::cpu Threads::Threads)
+  kvcache_set_warnings(kvcache_cuda_emu)
+  target_compile_options(kvcache_cuda_emu PRIVATE -Wno-unknown-pragmas -ffp-contract=off)
+  foreach(name IN ITEMS test_cuda_validation test_cuda_kernels test_cuda_graph test_cuda_contiguous
+                        test_cuda_paged test_cuda_two_tier)
+    add_executable(${name}_emulated ${CMAKE_CURRENT_LIST_DIR}/cuda/${name}.cpp)
+    target_link_libraries(${name}_emulated PRIVATE kvcache_cuda_emu GTest::gtest GTest::gtest_main)
+    target_include_directories(${name}_emulated PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda)
+    target_compile_definitions(${name}_emulated PRIVATE KVCACHE_CUDA_EMULATED)
+    kvcache_set_warnings(${name}_emulated)
+    add_test(NAME ${name}_emulated COMMAND ${name}_emulated)
+    set_tests_properties(${name}_emulated PROPERTIES LABELS "cuda;emulated")
+  endforeach()
+endif()

@@ -34,6 +34,18 @@
 
 namespace kvcache_cuda_test {
 
+/// Loop counts of the decode-step tests: `device` on a GPU, `emulated` in the *_emulated builds
+/// (tests/cuda.cmake), whose CPU emulation of warps runs a few thousand times slower.
+constexpr int steps(int device, int emulated) {
+#if defined(KVCACHE_CUDA_EMULATED)
+  (void)device;
+  return emulated;
+#else
+  (void)emulated;
+  return device;
+#endif
+}
+
 /// A device copy of a host vector (or zeroed storage), freed on destruction.
 template <class T>
 struct device_vector {

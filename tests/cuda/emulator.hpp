@@ -1,7 +1,7 @@
 #pragma once
 // A CPU emulation of the CUDA execution model, just large enough to run kvcache's kernels
 // (cuda/*_kernels.cuh) in a host test on machines without a GPU: every block of a grid runs in
-// turn, every thread of a block is a std::thread, __syncthreads / __syncwarp are barriers,
+// turn on one set of std::threads (one per CUDA thread), __syncthreads / __syncwarp are barriers,
 // warp shuffles go through a per-warp exchange buffer, __shared__ variables are statics (one
 // block runs at a time). It checks the kernels' *logic* (indexing, softmax merging, quantization
 // arithmetic) against the CPU references; it says nothing about nvcc's code generation, memory
@@ -114,30 +114,32 @@ inline float2 __half22float2(__half2 h) { return float2{__half2float(h.x), __hal
 namespace kvcache_emu {
 
 /// Runs `kernel(args...)` over `grid` blocks of `block.x` threads; returns ok (result-like, so
-/// it plugs into the launch_* templates of the kernel headers).
+/// it plugs into the launch_* templates of the kernel headers). The block's threads are created
+/// once per launch and run the blocks one after the other, separated by a barrier. Every
+/// __syncthreads / __syncwarp / shuffle of kvcache's kernels is reached by all threads of the
+/// block (or warp) or by none, which is what lets finished threads simply wait at the end.
 template <class Result, class K, class... A>
 Result launch(K kernel, dim3 grid, dim3 block, A... args) {
   gridDim = grid;
   blockDim = block;
   const unsigned threads = block.x * block.y * block.z;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        block_context ctx(threads);
-        std::vector<std::thread> ts;
-        ts.reserve(threads);
-        for (unsigned t = 0; t < threads; ++t)
-          ts.emplace_back([&, t] {
-            threadIdx = dim3(t);
+  block_context ctx(threads);
+  std::barrier<> block_done(static_cast<std::ptrdiff_t>(threads));
+  std::vector<std::thread> ts;
+  ts.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      threadIdx = dim3(t);
+      current = &ctx;
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
             blockIdx = dim3(bx, by, bz);
-            current = &ctx;
             kernel(args...);
-            // A finished thread leaves every barrier, so threads still running never wait for it.
-            ctx.warp[t / 32]->arrive_and_drop();
-            ctx.block.arrive_and_drop();
-          });
-        for (std::thread& th : ts) th.join();
-      }
+            block_done.arrive_and_wait();  // the next block reuses the __shared__ statics
+          }
+    });
+  for (std::thread& th : ts) th.join();
   return Result{};
 }
 

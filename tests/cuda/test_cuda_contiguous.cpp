@@ -240,14 +240,15 @@ TEST(cuda_contiguous, batch_decode_matches_reference_eager_and_in_a_graph) {
 
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  for (int step = 0; step < 30; ++step) {
+  const int total_steps = steps(30, 6), eager_steps = total_steps / 3;
+  for (int step = 0; step < total_steps; ++step) {
     for (seq_id id : ids) KVCACHE_ASSERT_OK(c->reserve(id, 1));
     KVCACHE_ASSERT_OK(c->prepare(ids));
     std::vector<float> k = r.floats(g.layers * batch * g.token_width()), v = r.floats(k.size()), q = r.floats(g.layers * q_count);
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_k->data(), k.data(), k.size() * 4));
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_v->data(), v.data(), v.size() * 4));
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_q->data(), q.data(), q.size() * 4));
-    if (step < 10) {
+    if (step < eager_steps) {
       KVCACHE_ASSERT_OK(enqueue_step());  // eager; also sizes the workspace before the capture
     } else {
       if (exec == nullptr) {

@@ -44,7 +44,8 @@ TEST(cuda_graph, decode_step_replays_while_sequences_grow) {
   const kvcache::cuda where = kvcache::cuda{0}.on(stream.s);
 
   const std::uint32_t batch = 3, kv_heads = 2, q_heads = 8, D = 64, page_tokens = 16;
-  const std::uint32_t capacity = 256, pages_per_seq = capacity / page_tokens, steps = 40;
+  const std::uint32_t capacity = 256, pages_per_seq = capacity / page_tokens;
+  const auto steps = static_cast<std::uint32_t>(kvcache_cuda_test::steps(40, 6));
   const std::size_t tw = static_cast<std::size_t>(kv_heads) * D;
   const std::size_t head_bytes = static_cast<std::size_t>(page_tokens) * D * 2;
   const std::size_t page_bytes = head_bytes * kv_heads;

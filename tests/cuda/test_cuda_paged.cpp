@@ -208,7 +208,7 @@ TEST(cuda_paged, batch_decode_matches_reference) {
   ap.q_heads = q_heads;
   ap.kv_heads = g.kv_heads;
   ap.head_dim = g.head_dim;
-  for (int step = 0; step < 40; ++step) {
+  for (int step = 0; step < steps(40, 5); ++step) {
     for (seq_id id : ids) KVCACHE_ASSERT_OK(c->reserve(id, 1));
     KVCACHE_ASSERT_OK(c->prepare(ids));
     for (std::uint32_t l = 0; l < g.layers; ++l) {

@@ -200,7 +200,7 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
   ap.head_dim = g.head_dim;
   // Each step: the reference is the view before commit (what attention saw: Q4 store groups,
   // FP16 tail) plus the step's own token; commit then migrates full tail pages.
-  for (int step = 0; step < 70; ++step) {
+  for (int step = 0; step < steps(70, 6); ++step) {
     for (seq_id id : ids) KVCACHE_ASSERT_OK(c->reserve(id, 1));
     KVCACHE_ASSERT_OK(c->prepare(ids));
     const std::vector<float> k = r.floats(batch * g.token_width()), v = r.floats(k.size()), q = r.floats(q_count);

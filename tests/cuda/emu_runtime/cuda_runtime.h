@@ -1,0 +1,136 @@
+#pragma once
+// A stand-in for the CUDA runtime header, for the *_emulated test builds only (tests/cuda.cmake):
+// one fake device 0 (compute capability 9.0) whose memory is host memory, every "asynchronous"
+// operation done at once on the host, except while a stream is being captured, when operations
+// are recorded into a graph and run by cudaGraphLaunch. With it, the caches' host code
+// (cuda/*.cpp, cuda/runtime.cu) and the device tests run unchanged on a machine without a GPU;
+// kernels run through tests/cuda/emulator.hpp (see emu_launch.cpp). Nothing here resembles the
+// real runtime's concurrency, memory spaces or errors beyond what kvcache relies on.
+
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+struct CUstream_st;
+
+enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2, cudaErrorInvalidValue = 1, cudaErrorNoDevice = 100 };
+enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1, cudaStreamCaptureModeRelaxed = 2 };
+using cudaStream_t = CUstream_st*;
+struct cudaEvent_st {};
+using cudaEvent_t = cudaEvent_st*;
+struct cudaGraph_st {
+  std::vector<std::function<void()>> ops;
+};
+using cudaGraph_t = cudaGraph_st*;
+using cudaGraphExec_t = cudaGraph_st*;
+struct cudaDeviceProp {
+  int major = 9;
+  int minor = 0;
+};
+inline constexpr unsigned cudaStreamNonBlocking = 1;
+inline constexpr unsigned cudaEventDisableTiming = 2;
+
+namespace kvcache_emu {
+/// The graph being captured (one capture at a time, any stream), or null.
+inline cudaGraph_st*& capturing() {
+  static thread_local cudaGraph_st* g = nullptr;
+  return g;
+}
+/// Runs `op` now, or records it while a stream is captured.
+inline void enqueue(std::function<void()> op) {
+  if (cudaGraph_st* g = capturing()) g->ops.push_back(std::move(op));
+  else op();
+}
+}  // namespace kvcache_emu
+
+inline const char* cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated"; }
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated runtime error"; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
+  if (device != 0) return cudaErrorInvalidValue;
+  *p = cudaDeviceProp{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaFree(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  if (kvcache_emu::capturing() != nullptr) {  // a captured copy reads its source at replay time
+    kvcache_emu::enqueue([=] { std::memmove(dst, src, bytes); });
+  } else {
+    std::memmove(dst, src, bytes);
+  }
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind k) {
+  return cudaMemcpyAsync(dst, src, bytes, k, nullptr);
+}
+inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t) {
+  kvcache_emu::enqueue([=] { std::memset(dst, value, bytes); });
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  static char fake_streams[64];
+  static unsigned next = 0;
+  *s = reinterpret_cast<cudaStream_t>(&fake_streams[(next++) % 64]);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new cudaEvent_st;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+  if (kvcache_emu::capturing() != nullptr) return cudaErrorInvalidValue;
+  kvcache_emu::capturing() = new cudaGraph_st;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* g) {
+  *g = kvcache_emu::capturing();
+  kvcache_emu::capturing() = nullptr;
+  return *g != nullptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g, unsigned long long) {
+  *exec = new cudaGraph_st(*g);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+  for (auto& op : exec->ops) op();
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+  delete g;
+  return cudaSuccess;
+}
