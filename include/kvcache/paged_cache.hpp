@@ -695,19 +695,20 @@ class paged_cache<cpu> {
     const format fmt = p.storage();
     const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dense_element_bytes(fmt);
     const std::size_t end = s.length + s.pending;
-    for (std::size_t pos = s.length; pos < end;) {
-      const std::size_t off = pos % B;
-      const std::size_t run = std::min(B - off, end - pos);
-      const std::uint32_t b = s.blocks[pos / B];
-      std::byte* kd = p.k_block(layer, b) + off * row_bytes;  // [kv_head][token B][head_dim]
-      std::byte* vd = p.v_block(layer, b) + off * row_bytes;
-      const std::size_t src0 = (pos - s.length) * tw;  // token-major source: [token][kv_head][head_dim]
-      for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-        const std::size_t src = src0 + static_cast<std::size_t>(h) * g.head_dim;
-        store_rows(k.data() + src, tw, run, g.head_dim, fmt, kd + h * p.head_stride());
-        store_rows(v.data() + src, tw, run, g.head_dim, fmt, vd + h * p.head_stride());
+    // Head-outer, block-inner: each head's source rows are read in one long constant-stride
+    // sweep (as the contiguous cache does), which the hardware prefetchers follow far better
+    // than short per-block sweeps; the destination is a run of up to B contiguous rows.
+    for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
+      for (std::size_t pos = s.length; pos < end;) {
+        const std::size_t off = pos % B;
+        const std::size_t run = std::min(B - off, end - pos);
+        const std::uint32_t b = s.blocks[pos / B];
+        const std::size_t dst = h * p.head_stride() + off * row_bytes;  // block: [kv_head][token B][head_dim]
+        const std::size_t src = (pos - s.length) * tw + static_cast<std::size_t>(h) * g.head_dim;  // [token][kv_head][head_dim]
+        store_rows(k.data() + src, tw, run, g.head_dim, fmt, p.k_block(layer, b) + dst);
+        store_rows(v.data() + src, tw, run, g.head_dim, fmt, p.v_block(layer, b) + dst);
+        pos += run;
       }
-      pos += run;
     }
     if (!s.written[layer]) {
       s.written[layer] = 1;
