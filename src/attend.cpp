@@ -129,6 +129,8 @@ struct call {
   float* scratch;
   std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats
   std::size_t head_floats;    // floats of one head's state (worker_floats)
+  bool fused_values;          // detail::attend_avx512::accumulate_segments handles this shape
+  detail::value_segment* segments;  // [worker][tile] scratch for it
 };
 
 // One head's state in a worker's scratch: folded queries qf and accumulators acc [group][head_dim],
@@ -189,9 +191,14 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
-      if (off == 0 && ci + 1 < view.count) {
-        const chunk& next = view.chunks[ci + 1];
-        prefetch(next.k_head(h0), key_head_bytes(next, hd) * (h1 - h0));
+      if (off == 0) {
+        if (ci + 1 < view.count) {
+          const chunk& next = view.chunks[ci + 1];
+          prefetch(next.k_head(h0), key_head_bytes(next, hd) * (h1 - h0));
+        }
+        // Values are summed head by head over the whole tile when fused_values: fetch them now,
+        // while this chunk's heads are read as one stream.
+        if (c.fused_values) prefetch(ch.v_head(h0), value_head_bytes(ch, hd) * (h1 - h0));
       }
       for (std::uint32_t h = h0; h < h1; ++h) {
         const head_state hs = st(h);
@@ -220,7 +227,41 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
     }
-    // Second pass over the same token range: weighted values.
+    // Second pass over the same token range: weighted values. With fused_values and one dense
+    // value format over the tile, each head's sum over all the tile's chunks is one call that
+    // keeps its accumulators in registers.
+    if (c.fused_values) {
+      std::uint32_t count = 0, done = 0;
+      const format vf = view.chunks[start_ci].v_format;  // start_ci has tokens: filled > 0
+      bool uniform = vf != format::q4;
+      for (std::uint32_t cj = start_ci, o = start_off; uniform && done < filled; ++cj, o = 0) {
+        const chunk& ch = view.chunks[cj];
+        if (ch.tokens == 0) continue;
+        const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+        uniform = ch.v_format == vf;
+        done += n;
+      }
+      if (uniform) {
+#if defined(KVCACHE_HAVE_AVX512)
+        detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
+        const std::size_t elem = dense_element_bytes(vf);
+        for (std::uint32_t h = h0; h < h1; ++h) {
+          count = 0;
+          done = 0;
+          for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
+            const chunk& ch = view.chunks[cj];
+            if (ch.tokens == 0) continue;
+            const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+            segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
+            done += n;
+          }
+          const head_state hs = st(h);
+          (void)detail::attend_avx512::accumulate_segments(vf == format::f16, hs.s, tile, g, segs, count, hd, hs.acc);
+        }
+        continue;
+#endif
+      }
+    }
     std::uint32_t done = 0;
     for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
@@ -275,6 +316,8 @@ std::uint32_t heads_per_task(std::size_t seqs, std::uint32_t kv_heads, unsigned 
 struct attention_workspace::impl {
   std::unique_ptr<float[]> scratch;
   std::size_t scratch_floats = 0;
+  std::unique_ptr<detail::value_segment[]> segments;  // [worker][tile]
+  std::size_t segment_count = 0;
 
   // Pool: threads.size() background workers (worker indices 1..n); the caller is worker 0.
   std::vector<std::thread> threads;
@@ -307,6 +350,17 @@ struct attention_workspace::impl {
       return fail(errc::out_of_memory, "attend: workspace scratch", {{"bytes", static_cast<long long>(floats * sizeof(float))}});
     scratch.reset(p);
     scratch_floats = floats;
+    return {};
+  }
+
+  result<void> grow_segments(std::size_t n) {
+    if (n <= segment_count) return {};
+    detail::value_segment* p = new (std::nothrow) detail::value_segment[n];
+    if (p == nullptr)
+      return fail(errc::out_of_memory, "attend: workspace segments",
+                  {{"bytes", static_cast<long long>(n * sizeof(detail::value_segment))}});
+    segments.reset(p);
+    segment_count = n;
     return {};
   }
 
@@ -371,7 +425,7 @@ attention_workspace::attention_workspace(attention_workspace&&) noexcept = defau
 attention_workspace& attention_workspace::operator=(attention_workspace&&) noexcept = default;
 
 std::size_t attention_workspace::scratch_bytes() const noexcept {
-  return impl_ ? impl_->scratch_floats * sizeof(float) : 0;
+  return impl_ ? impl_->scratch_floats * sizeof(float) + impl_->segment_count * sizeof(detail::value_segment) : 0;
 }
 
 result<void> attention_workspace::reserve(const attention_params& p) {
@@ -384,6 +438,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   // Room for every kv head of a sequence per worker (a task holds at most that many).
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
   KVCACHE_TRY(impl_->grow_scratch(per * workers));
+  KVCACHE_TRY(impl_->grow_segments(static_cast<std::size_t>(tile_tokens(p.q_heads / p.kv_heads)) * workers));
   if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
   return {};
 }
@@ -417,8 +472,14 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   const std::uint32_t hpt = heads_per_task(views.size(), p.kv_heads, workers);
   const std::uint32_t tasks_per_seq = (p.kv_heads + hpt - 1) / hpt;
   const std::size_t head_floats = worker_floats(group, p.head_dim);
+  bool fused_values = false;
+#if defined(KVCACHE_HAVE_AVX512)
+  fused_values = kt.which == isa::avx512 && p.head_dim % 16 == 0 &&
+                 (group == 1 || group == 2 || group == 4 || group == 8);
+#endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, tile_tokens(group),
-               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), head_floats * p.kv_heads, head_floats};
+               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), head_floats * p.kv_heads, head_floats,
+               fused_values, ws.impl_->segments.get()};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
   };

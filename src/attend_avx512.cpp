@@ -1,9 +1,81 @@
-// attend() pieces compiled with avx512 flags: the online-softmax step (attend_softmax.inl).
+// attend() pieces compiled with AVX-512 flags: the online-softmax step (attend_softmax.inl) and
+// the weighted sum of dense values over the several chunks of a tile with the accumulators held
+// in registers (paged blocks are small: per-chunk calls would reload them every 16 tokens).
 #include "attend_internal.hpp"
+
+// GCC 12 reports -W(maybe-)uninitialized inside its own intrinsic headers once inlined here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+#include <immintrin.h>
 
 #include <cstddef>
 #include <cstdint>
 
 namespace kvcache::detail::attend_avx512 {
 #include "attend_softmax.inl"
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const std::uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Channels [c0, c0 + 16 NV) of G queries, over every segment.
+template <class T, int G, int NV>
+void block(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
+           std::uint32_t hd, std::uint32_t c0, float* acc) {
+  __m512 a[G][NV];
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < NV; ++u) a[i][u] = _mm512_loadu_ps(acc + i * hd + c0 + 16 * u);
+  for (std::uint32_t sgi = 0; sgi < count; ++sgi) {
+    const T* v = static_cast<const T*>(segs[sgi].v) + c0;
+    const float* pp = p + segs[sgi].p_offset;
+    const std::uint32_t n = segs[sgi].tokens;
+    for (std::uint32_t t = 0; t < n; ++t) {
+      __m512 x[NV];
+      for (int u = 0; u < NV; ++u) x[u] = load16(v + static_cast<std::size_t>(t) * hd + 16 * u);
+      for (int i = 0; i < G; ++i) {
+        const __m512 w = _mm512_set1_ps(pp[i * p_stride + t]);
+        for (int u = 0; u < NV; ++u) a[i][u] = _mm512_fmadd_ps(w, x[u], a[i][u]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + i * hd + c0 + 16 * u, a[i][u]);
+}
+
+template <class T, int G>
+void all_blocks(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
+                std::uint32_t hd, float* acc) {
+  constexpr int NV = G >= 8 ? 2 : 4;  // G * NV <= 16 accumulators
+  std::uint32_t c0 = 0;
+  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc);
+  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc);
+}
+
+template <class T>
+bool dispatch(const float* p, std::size_t p_stride, std::uint32_t g, const value_segment* segs,
+              std::uint32_t count, std::uint32_t hd, float* acc) {
+  switch (g) {
+    case 1: all_blocks<T, 1>(p, p_stride, segs, count, hd, acc); return true;
+    case 2: all_blocks<T, 2>(p, p_stride, segs, count, hd, acc); return true;
+    case 4: all_blocks<T, 4>(p, p_stride, segs, count, hd, acc); return true;
+    case 8: all_blocks<T, 8>(p, p_stride, segs, count, hd, acc); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+bool accumulate_segments(bool f16, const float* p, std::size_t p_stride, std::uint32_t group,
+                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc) {
+  if (head_dim % 16 != 0) return false;
+  return f16 ? dispatch<std::uint16_t>(p, p_stride, group, segs, count, head_dim, acc)
+             : dispatch<float>(p, p_stride, group, segs, count, head_dim, acc);
+}
+
 }  // namespace kvcache::detail::attend_avx512

@@ -22,3 +22,25 @@ namespace attend_avx512 { void softmax_tile(float*, std::uint32_t, std::uint32_t
 #endif
 
 }  // namespace kvcache::detail
+
+namespace kvcache::detail {
+
+/// A run of dense value rows of one head: `tokens` rows of head_dim elements at v, weighted by
+/// p[i * p_stride + p_offset + t].
+struct value_segment {
+  const void* v;
+  std::uint32_t tokens;
+  std::uint32_t p_offset;
+};
+
+#if defined(KVCACHE_HAVE_AVX512)
+namespace attend_avx512 {
+/// acc[i][d] += sum over segments and their tokens t of p[i][p_offset + t] * v[t][d], with the
+/// accumulators in registers across all segments. f32 (f16 == false) or f16 values. False (and
+/// nothing done) when the shape is not handled: group not 1, 2, 4 or 8, or head_dim % 16 != 0.
+bool accumulate_segments(bool f16, const float* p, std::size_t p_stride, std::uint32_t group,
+                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc);
+}  // namespace attend_avx512
+#endif
+
+}  // namespace kvcache::detail
