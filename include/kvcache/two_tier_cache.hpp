@@ -22,8 +22,9 @@
 /// - store group slots are allocated in slabs of `slab_groups` groups as the sequence grows;
 ///   truncate() frees every slab left without a live group; slots of groups dropped by streaming
 ///   are reused by later groups (their slabs stay);
-/// - metadata (group table, per-layer chunk arrays, free-slot list, slab table) grows with the
-///   sequence's slab table; plus one 32-token migration scratch per cache.
+/// - metadata (group table, per-layer chunk arrays, free-slot list, slab table) is sized for the
+///   slab table's capacity, which at least doubles when it grows; plus one 32-token migration
+///   scratch per cache.
 ///
 /// Step protocol (nothing visible changes before commit):
 /// - reserve(s, n) checks everything and allocates what the n tokens will need (ring, slabs for
@@ -173,6 +174,7 @@ struct sequence {
   std::size_t ngroups = 0;
   std::vector<std::uint32_t> chunk_count;  // [layer]
   std::vector<buffer> slabs;               // [slab] slab_groups group slots each; null once freed
+  std::size_t cap_slabs = 0;               // slab entries the tables are sized for (>= slabs.size())
   std::vector<std::uint32_t> slab_used;    // [slab] live and pending groups in the slab
   std::vector<std::uint32_t> free_slots;   // [<= slot capacity] free slots of allocated slabs
   // The open reservation (reserved == true), planned by reserve.
@@ -370,9 +372,11 @@ class two_tier_cache<cpu> {
     std::size_t null_slabs = 0;
     for (const auto& b : q.slabs) null_slabs += b ? 0 : 1;
     const std::size_t table_slabs = q.slabs.size() + (new_slabs > null_slabs ? new_slabs - null_slabs : 0);
-    if (table_slabs * cfg_.slab_groups > std::numeric_limits<std::uint32_t>::max())
+    // Tables grow geometrically, so that re-laying them out costs O(1) per group over a sequence.
+    const std::size_t cap_slabs = table_slabs > q.cap_slabs ? std::max(table_slabs, 2 * q.cap_slabs) : q.cap_slabs;
+    if (cap_slabs * cfg_.slab_groups > std::numeric_limits<std::uint32_t>::max())
       return fail(errc::capacity_exceeded, "reserve: group slots past 2^32",
-                  {{"slabs", static_cast<long long>(table_slabs)}});
+                  {{"slabs", static_cast<long long>(cap_slabs)}});
     std::vector<detail::two_tier::buffer> fresh;
     if (new_slabs != 0) {
       fresh.reserve(new_slabs);
@@ -397,7 +401,7 @@ class two_tier_cache<cpu> {
       q.written.assign(cfg_.shape.layers, 0);
       q.chunk_count.assign(cfg_.shape.layers, 0);
     }
-    if (q.stride == 0 || table_slabs != q.slabs.size()) grow_tables(q, table_slabs);
+    if (q.stride == 0 || cap_slabs != q.cap_slabs) grow_tables(q, cap_slabs);
     for (auto& b : fresh) add_slab(q, std::move(b));
     // Room after the live groups for the pending ones and two tail chunks (drops at commit
     // advance `first` and shrink ngroups alike, so this stays true).
@@ -756,6 +760,7 @@ class two_tier_cache<cpu> {
     q.slab_used = std::move(used);
     q.stride = stride;
     q.first = 0;
+    q.cap_slabs = slabs;
   }
 
   // Puts a fresh slab into a free table entry (or a new one, capacity reserved) and frees its slots.
