@@ -1,8 +1,8 @@
 #pragma once
 // A stand-in for the CUDA runtime header, for the *_emulated test builds only (tests/cuda.cmake):
-// one fake device 0 (compute capability 9.0) whose memory is host memory, every "asynchronous"
-// operation done at once on the host, except while a stream is being captured, when operations
-// are recorded into a graph and run by cudaGraphLaunch. With it, the caches' host code
+// one fake device 0 (compute capability 9.0) whose memory is host memory; asynchronous operations
+// are queued and run when the host synchronizes (see runtime_state), or recorded into a graph
+// while a stream is captured and queued again by cudaGraphLaunch. With it, the caches' host code
 // (cuda/*.cpp, cuda/runtime.cu) and the device tests run unchanged on a machine without a GPU;
 // kernels run through tests/cuda/emulator.hpp (see emu_launch.cpp). Nothing here resembles the
 // real runtime's concurrency, memory spaces or errors beyond what kvcache relies on.
@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <memory>
 #include <vector>
 
 struct CUstream_st;
@@ -39,10 +41,35 @@ inline cudaGraph_st*& capturing() {
   static thread_local cudaGraph_st* g = nullptr;
   return g;
 }
-/// Runs `op` now, or records it while a stream is captured.
+/// The one emulated stream: every stream shares this queue (an order at least as strict as the
+/// real streams'), run when the host synchronizes: stream/event/device synchronize, a copy to
+/// pageable host memory, cudaFree/cudaFreeHost. So work really is deferred, and host code that
+/// reuses memory a queued operation still reads (pinned staging, say) shows up as wrong data.
+struct runtime_state {
+  std::vector<std::function<void()>> queue;
+  std::map<const char*, std::size_t> device;  // cudaMalloc'ed ranges
+  std::map<const char*, std::size_t> pinned;  // cudaMallocHost'ed ranges
+};
+inline runtime_state& state() {
+  static runtime_state s;
+  return s;
+}
+inline void drain() {
+  std::vector<std::function<void()>> q;
+  q.swap(state().queue);
+  for (auto& op : q) op();
+}
+inline bool within(const std::map<const char*, std::size_t>& m, const void* p) {
+  const auto* c = static_cast<const char*>(p);
+  auto it = m.upper_bound(c);
+  if (it == m.begin()) return false;
+  --it;
+  return c < it->first + it->second;
+}
+/// Queues `op`, or records it while a stream is captured.
 inline void enqueue(std::function<void()> op) {
   if (cudaGraph_st* g = capturing()) g->ops.push_back(std::move(op));
-  else op();
+  else state().queue.push_back(std::move(op));
 }
 }  // namespace kvcache_emu
 
@@ -65,31 +92,62 @@ inline cudaError_t cudaGetDevice(int* d) {
 inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  kvcache_emu::state().device[static_cast<const char*>(*p)] = bytes;
+  return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
+  kvcache_emu::drain();  // cudaFree synchronizes
+  kvcache_emu::state().device.erase(static_cast<const char*>(p));
   std::free(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
-inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
+  *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  kvcache_emu::state().pinned[static_cast<const char*>(*p)] = bytes;
+  return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  kvcache_emu::drain();
+  kvcache_emu::state().pinned.erase(static_cast<const char*>(p));
+  std::free(p);
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
-  if (kvcache_emu::capturing() != nullptr) {  // a captured copy reads its source at replay time
-    kvcache_emu::enqueue([=] { std::memmove(dst, src, bytes); });
-  } else {
+  using namespace kvcache_emu;
+  const bool dst_pageable = !within(state().device, dst) && !within(state().pinned, dst);
+  const bool src_pageable = !within(state().device, src) && !within(state().pinned, src);
+  if (capturing() != nullptr) {  // a captured copy reads its source at replay time
+    enqueue([=] { std::memmove(dst, src, bytes); });
+  } else if (dst_pageable) {  // to pageable host memory: returns once the copy is done
+    drain();
     std::memmove(dst, src, bytes);
+  } else if (src_pageable) {  // from pageable host memory: staged before returning
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    enqueue([=] { std::memcpy(dst, staged->data(), bytes); });
+  } else {
+    enqueue([=] { std::memmove(dst, src, bytes); });
   }
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind k) {
-  return cudaMemcpyAsync(dst, src, bytes, k, nullptr);
+inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
+  kvcache_emu::drain();
+  std::memmove(dst, src, bytes);
+  return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t) {
   kvcache_emu::enqueue([=] { std::memset(dst, value, bytes); });
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  kvcache_emu::drain();
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() {
+  kvcache_emu::drain();
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   static char fake_streams[64];
   static unsigned next = 0;
@@ -107,7 +165,10 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  kvcache_emu::drain();  // everything queued before the event (and after: stricter than needed)
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
   if (kvcache_emu::capturing() != nullptr) return cudaErrorInvalidValue;
   kvcache_emu::capturing() = new cudaGraph_st;
@@ -123,7 +184,7 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g, un
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
-  for (auto& op : exec->ops) op();
+  for (auto& op : exec->ops) kvcache_emu::enqueue(op);
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
