@@ -19,26 +19,31 @@ if(TARGET kvcache::cuda)
   endforeach()
 endif()
 
-# test_cuda_emulated runs the CUDA kernels' source (cuda/*_kernels.cuh) on the CPU through
-# tests/cuda/emulator.hpp. It needs neither nvcc nor a GPU, so it is built in every
-# configuration (with or without kvcache::cuda) and links only kvcache::cpu.
-add_executable(test_cuda_emulated ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_emulated.cpp)
-target_link_libraries(test_cuda_emulated PRIVATE kvcache::cpu GTest::gtest GTest::gtest_main Threads::Threads)
-target_include_directories(test_cuda_emulated PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda ${PROJECT_SOURCE_DIR}/cuda)
-kvcache_set_warnings(test_cuda_emulated)
-# '#pragma unroll' is nvcc's; no FMA contraction so float intrinsics (__fmul_rn...) stay unfused.
-target_compile_options(test_cuda_emulated PRIVATE -Wno-unknown-pragmas -ffp-contract=off)
-add_test(NAME test_cuda_emulated COMMAND test_cuda_emulated)
-set_tests_properties(test_cuda_emulated PROPERTIES LABELS cuda)
-
 # Emulated builds of the device tests: the caches' host code (cuda/*.cpp, cuda/runtime.cu) and
 # the unchanged device tests, linked against an emulated CUDA runtime (tests/cuda/emu_runtime:
 # a fake cuda_runtime.h with host memory as device memory, stream capture recorded into graphs)
 # and the kernels run on the CPU by tests/cuda/emulator.hpp. No nvcc, no GPU: built in every
-# configuration; the ctest names end in _emulated. They check the host logic and the kernels'
-# logic end to end, not the real runtime, compiler or hardware.
-option(KVCACHE_CUDA_EMULATED_TESTS "Build the CPU-emulated CUDA tests" ON)
+# configuration but cross builds (under qemu the emulation's 128 threads per launch would take far
+# too long); the ctest names end in _emulated (label "emulated"). They check the host logic and
+# the kernels' logic end to end, not the real runtime, compiler or hardware.
+if(CMAKE_CROSSCOMPILING)
+  set(KVCACHE_CUDA_EMULATED_DEFAULT OFF)
+else()
+  set(KVCACHE_CUDA_EMULATED_DEFAULT ON)
+endif()
+option(KVCACHE_CUDA_EMULATED_TESTS "Build the CPU-emulated CUDA tests" ${KVCACHE_CUDA_EMULATED_DEFAULT})
 if(KVCACHE_CUDA_EMULATED_TESTS)
+  # test_cuda_emulated runs the CUDA kernels' source (cuda/*_kernels.cuh) on the CPU through
+  # tests/cuda/emulator.hpp. It needs neither nvcc nor a GPU and links only kvcache::cpu.
+  add_executable(test_cuda_emulated ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_emulated.cpp)
+  target_link_libraries(test_cuda_emulated PRIVATE kvcache::cpu GTest::gtest GTest::gtest_main Threads::Threads)
+  target_include_directories(test_cuda_emulated PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda ${PROJECT_SOURCE_DIR}/cuda)
+  kvcache_set_warnings(test_cuda_emulated)
+  # '#pragma unroll' is nvcc's; no FMA contraction so float intrinsics (__fmul_rn...) stay unfused.
+  target_compile_options(test_cuda_emulated PRIVATE -Wno-unknown-pragmas -ffp-contract=off)
+  add_test(NAME test_cuda_emulated COMMAND test_cuda_emulated)
+  set_tests_properties(test_cuda_emulated PROPERTIES LABELS "cuda;emulated")
+
   add_library(kvcache_cuda_emu STATIC
     ${CMAKE_CURRENT_LIST_DIR}/cuda/emu_runtime/runtime_emu.cpp
     ${CMAKE_CURRENT_LIST_DIR}/cuda/emu_runtime/emu_launch.cpp
