@@ -481,7 +481,6 @@ class paged_cache<cpu> {
     cfg_.shape = pool_->shape();
     cfg_.storage = pool_->storage();
     cfg_.block_tokens = pool_->block_tokens();
-    seqs_.reserve(cfg.max_sequences);
   }
 
   [[nodiscard]] std::size_t blocks_for(std::size_t tokens) const noexcept {
