@@ -100,6 +100,8 @@ int main(int argc, char** argv) {
     const char* v = argv[++i];
     if (a == "--cache") {
       o.cache = v;
+      if (o.cache != "contiguous" && o.cache != "paged" && o.cache != "two-tier")
+        return usage("bad --cache (contiguous, paged or two-tier)");
     } else if (a == "--steps") {
       if (!parse_count(v, o.steps)) return usage("bad --steps");
     } else if (a == "--batch") {
