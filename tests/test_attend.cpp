@@ -1,8 +1,11 @@
 // attend(): decode attention over hand-built views of every chunking and format, on every ISA,
 // against a float64 reference; then through the real caches; error paths; allocation-free steady state.
 #include <kvcache/attend.hpp>
+#include <kvcache/contiguous_cache.hpp>
 #include <kvcache/isa.hpp>
 #include <kvcache/kernels.hpp>
+#include <kvcache/paged_cache.hpp>
+#include <kvcache/two_tier_cache.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -485,6 +488,143 @@ TEST_P(attend_isa, results_do_not_depend_on_threads_or_pool) {
   EXPECT_EQ(pool.seen.size(), s.kv_heads);  // 4 kv heads, 4 workers: one head per task
   EXPECT_EQ(0, std::memcmp(single.data(), split.data(), row * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(single.data(), one.data(), row * sizeof(float)));
+}
+
+// ---- through the real caches -------------------------------------------------------------------
+
+// The K/V a view holds, decoded token by token with the scalar reference kernels, independently
+// of attend's tiling. // [kv_head][token][head_dim]
+void decode_view(const layer_view& v, std::uint32_t H, std::uint32_t D, std::vector<double>& k, std::vector<double>& val) {
+  const kvcache::kernels::table& ref = *kvcache::kernels::find(isa::scalar);
+  k.assign(static_cast<std::size_t>(H) * v.tokens * D, 0.0);
+  val.assign(k.size(), 0.0);
+  std::vector<float> tmp(static_cast<std::size_t>(32) * D);
+  std::uint32_t t0 = 0;
+  for (const chunk& c : v) {
+    for (std::uint32_t h = 0; h < H; ++h)
+      for (int which = 0; which < 2; ++which) {
+        const format f = which == 0 ? c.k_format : c.v_format;
+        const std::byte* src = which == 0 ? c.k_head(h) : c.v_head(h);
+        std::vector<double>& dst = which == 0 ? k : val;
+        for (std::uint32_t t = 0; t < c.tokens; ++t) {
+          if (f == format::q4 && t % 32 == 0) {
+            const std::uint32_t n = std::min<std::uint32_t>(32, c.tokens - t);
+            tmp.resize(static_cast<std::size_t>(n) * D);
+            if (which == 0) ref.dequantize_keys(reinterpret_cast<const q4_block*>(src), n, D, tmp.data(), D);
+            else ref.dequantize_values(reinterpret_cast<const q4_block*>(src) + static_cast<std::size_t>(t) * kvcache::q4_value_blocks(D), n, D, tmp.data(), D);
+          }
+          for (std::uint32_t d = 0; d < D; ++d) {
+            double x = 0.0;
+            const std::size_t e = static_cast<std::size_t>(t) * D + d;
+            if (f == format::f32) x = reinterpret_cast<const float*>(src)[e];
+            else if (f == format::f16) x = kvcache::to_float(reinterpret_cast<const half*>(src)[e]);
+            else x = tmp[static_cast<std::size_t>(t % 32) * D + d];
+            dst[(static_cast<std::size_t>(h) * v.tokens + t0 + t) * D + d] = x;
+          }
+        }
+      }
+    t0 += c.tokens;
+  }
+}
+
+// Fills sequences of lengths 1, 33 and 200 of `cache` (in steps of up to 7 tokens, as decode
+// does), attends over their views, and checks against float64 attention over the views'
+// decoded values and, loosely, over the written f32 values.
+template <class C>
+void check_cache(C& cache, const char* what, double tol_vs_written) {
+  std::mt19937 rng(11);
+  const kvcache::geometry g = cache.shape();
+  const std::uint32_t q_heads = g.kv_heads * 4;
+  std::vector<kvcache::seq_id> seqs;
+  std::vector<std::vector<float>> written_k, written_v;  // [seq] -> [token][kv_head][head_dim]
+  for (std::uint32_t n : {1u, 33u, 200u}) {
+    const kvcache::seq_id s = cache.create().value();
+    seqs.push_back(s);
+    const kv_data d = random_kv(rng, 1, static_cast<std::uint32_t>(g.token_width()), n);
+    for (std::uint32_t t = 0; t < n;) {
+      const std::uint32_t step = std::min<std::uint32_t>(n - t, 1 + static_cast<std::uint32_t>(rng() % 7));
+      const std::size_t w = g.token_width();
+      ASSERT_TRUE(cache.reserve(s, step).has_value());
+      const std::span<const float> ks(d.k.data() + t * w, step * w), vs(d.v.data() + t * w, step * w);
+      for (std::uint32_t l = 0; l < g.layers; ++l) ASSERT_TRUE(cache.write(s, l, ks, vs).has_value());
+      ASSERT_TRUE(cache.commit(s).has_value());
+      t += step;
+    }
+    written_k.push_back(d.k);
+    written_v.push_back(d.v);
+  }
+  std::vector<layer_view> views;
+  for (kvcache::seq_id s : seqs) views.push_back(cache.view(s, g.layers - 1).value());
+  const std::size_t row = static_cast<std::size_t>(q_heads) * g.head_dim;
+  const std::vector<float> q = random_q(rng, row * seqs.size(), 1.0f);
+  std::vector<float> out(q.size());
+  attention_workspace ws;
+  const attention_params p{q_heads, g.kv_heads, g.head_dim, 0.0f, 2, {}};
+  ASSERT_TRUE(kvcache::attend(p, views, q, out, ws).has_value()) << what;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<double> k, v;
+    decode_view(views[i], g.kv_heads, g.head_dim, k, v);
+    // Written values: [token][kv_head][head_dim] -> [kv_head][token][head_dim].
+    const std::uint32_t n = views[i].tokens;
+    std::vector<double> wk(k.size()), wv(v.size());
+    for (std::uint32_t t = 0; t < n; ++t)
+      for (std::uint32_t h = 0; h < g.kv_heads; ++h)
+        for (std::uint32_t d = 0; d < g.head_dim; ++d) {
+          const std::size_t src = (static_cast<std::size_t>(t) * g.kv_heads + h) * g.head_dim + d;
+          const std::size_t dst = (static_cast<std::size_t>(h) * n + t) * g.head_dim + d;
+          wk[dst] = written_k[i][src];
+          wv[dst] = written_v[i][src];
+        }
+    const std::span<const float> qi(q.data() + i * row, row);
+    const auto ref = reference(qi, q_heads, g.kv_heads, g.head_dim, n, k, v, scale);
+    const auto exact = reference(qi, q_heads, g.kv_heads, g.head_dim, n, wk, wv, scale);
+    double vmax = 1e-30, err = 0.0, err_w = 0.0;
+    for (double x : v) vmax = std::max(vmax, std::abs(x));
+    for (std::size_t j = 0; j < row; ++j) {
+      ASSERT_TRUE(std::isfinite(out[i * row + j])) << what;
+      err = std::max(err, std::abs(out[i * row + j] - ref[j]) / vmax);
+      err_w = std::max(err_w, std::abs(out[i * row + j] - exact[j]) / vmax);
+    }
+    EXPECT_LE(err, arithmetic_tol) << what << " tokens=" << n;
+    EXPECT_LE(err_w, tol_vs_written) << what << " tokens=" << n;
+  }
+}
+
+TEST_P(attend_isa, over_every_real_cache) {
+  isa_scope scope(GetParam());
+  const kvcache::geometry g{2, 2, 64};
+  for (format f : {format::f32, format::f16}) {
+    // vs the written f32 values: exact for f32; f16 rounding (2^-11 relative) for f16.
+    const double tol = f == format::f32 ? arithmetic_tol : 2e-3;
+    auto contiguous = kvcache::contiguous_cache<>::create({g, f, 3, 256}).value();
+    check_cache(contiguous, f == format::f32 ? "contiguous f32" : "contiguous f16", tol);
+    for (std::uint32_t block : {4u, 16u}) {
+      kvcache::paged_config<> pc;
+      pc.shape = g;
+      pc.storage = f;
+      pc.block_tokens = block;
+      pc.budget_bytes = std::size_t{1} << 22;
+      auto paged = kvcache::paged_cache<>::create(pc).value();
+      check_cache(paged, f == format::f32 ? "paged f32" : "paged f16", tol);
+    }
+  }
+  const struct {
+    format k, v;
+    const char* what;
+    double tol;  // vs the written values: the Q4 store's error (measured ~0.009 of max|V| at 200 tokens)
+  } stores[] = {{format::q4, format::q4, "two-tier q4/q4", 0.05},
+                {format::q4, format::f16, "two-tier q4/f16", 0.05},
+                {format::f16, format::f16, "two-tier f16/f16", 2e-3}};
+  for (const auto& st : stores) {
+    kvcache::two_tier_config tc;
+    tc.shape = g;
+    tc.tail_tokens = 32;
+    tc.key_format = st.k;
+    tc.value_format = st.v;
+    auto cache = kvcache::two_tier_cache<>::create(tc).value();
+    check_cache(cache, st.what, st.tol);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(isas, attend_isa, ::testing::ValuesIn(supported_isas()),
