@@ -66,10 +66,20 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
     -DKVCACHE_CUDA=OFF -DKVCACHE_INSTALL=OFF -DKVCACHE_WERROR=ON \
     -DGTest_DIR="$deps/gtest/lib/cmake/GTest" -Dfmt_DIR="$fmt_dir" >/dev/null
 fi
+# Keep going past a target that fails to build, so every test that did build still runs; the
+# script fails if either the build or a test failed.
 echo "== building"
-cmake --build "$build" -j "$jobs"
+keep_going=(-k)
+[[ ${#generator[@]} -gt 0 ]] && keep_going=(-k 0)
+build_rc=0
+cmake --build "$build" -j "$jobs" -- "${keep_going[@]}" || build_rc=$?
 
 echo "== running tests under qemu-aarch64"
-cd "$build"
+test_rc=0
 # shellcheck disable=SC2086
-KVCACHE_TEST_EMULATED=1 ctest --output-on-failure -j "$jobs" -LE consumer ${CTEST_ARGS:-}
+(cd "$build" && KVCACHE_TEST_EMULATED=1 ctest --output-on-failure -j "$jobs" -LE consumer ${CTEST_ARGS:-}) || test_rc=$?
+if ((build_rc != 0)); then
+  echo "cross_aarch64.sh: the aarch64 build failed (exit $build_rc); see the errors above" >&2
+  exit 1
+fi
+exit "$test_rc"
