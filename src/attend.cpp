@@ -231,7 +231,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     // value format over the tile, each head's sum over all the tile's chunks is one call that
     // keeps its accumulators in registers.
     if (c.fused_values) {
-      std::uint32_t count = 0, done = 0;
+      std::uint32_t done = 0;
       const format vf = view.chunks[start_ci].v_format;  // start_ci has tokens: filled > 0
       bool uniform = vf != format::q4;
       for (std::uint32_t cj = start_ci, o = start_off; uniform && done < filled; ++cj, o = 0) {
@@ -246,7 +246,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
         detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
         const std::size_t elem = dense_element_bytes(vf);
         for (std::uint32_t h = h0; h < h1; ++h) {
-          count = 0;
+          std::uint32_t count = 0;
           done = 0;
           for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
             const chunk& ch = view.chunks[cj];
