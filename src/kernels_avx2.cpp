@@ -24,8 +24,9 @@ alignas(64) const std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 
 struct V {
   static constexpr isa which = isa::avx2;
   static constexpr unsigned W = 8;
-  static constexpr unsigned score_queries = 8;  // queries per pass over a K tile
+  static constexpr unsigned score_queries = 4;  // queries per pass over a K tile
   static constexpr unsigned score_acc = 8;
+  static constexpr unsigned acc_queries = 4;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 8;
   static constexpr unsigned q4_queries = 2;  // 4 accumulators per query: 2 queries + 4 decoded codes
   using vf = __m256;

@@ -23,6 +23,7 @@ struct V {
   static constexpr unsigned W = 16;
   static constexpr unsigned score_queries = 4;  // queries per pass over a K tile
   static constexpr unsigned score_acc = 16;  // dot-product accumulators of a score tile
+  static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;   // accumulators of a dense accumulate tile
   static constexpr unsigned q4_queries = 8;  // queries per Q4 pass (2 accumulators each)
   using vf = __m512;

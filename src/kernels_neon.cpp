@@ -17,6 +17,7 @@ struct V {
   static constexpr unsigned W = 4;
   static constexpr unsigned score_queries = 8;  // queries per pass over a K tile
   static constexpr unsigned score_acc = 16;
+  static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;
   static constexpr unsigned q4_queries = 2;  // 8 accumulators per query + 8 decoded codes
   using vf = float32x4_t;

@@ -14,8 +14,8 @@
 //   q4 block (low nibbles = elements 0..15, high = 16..31) as floats; scale_up(step, half out[W])
 //   -> smallest half >= step per lane (the Q4 scale); recip_or_zero(s) = s > 0 ? 1/s : 0;
 //   scale_min(b, stride, n, s, m): scales and minimums of the n (<= W) blocks b[j * stride] as
-//   floats (zero beyond n); f32_of(bits) converts one half; tuning constants score_acc, acc_regs,
-//   q4_queries.
+//   floats (zero beyond n); f32_of(bits) converts one half; tuning constants score_queries, score_acc,
+//   acc_queries, acc_regs, q4_queries.
 
 using vf = V::vf;
 using vi = V::vi;
@@ -428,10 +428,14 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
     const unsigned nt = umin(tile, tokens - t0);
     const Vt* vt = v + std::size_t(t0) * head_dim;
-    for (unsigned i0 = 0; i0 < nq; i0 += 8) {
+    // Queries in balanced passes of at most V::acc_queries.
+    for (unsigned i0 = 0; i0 < nq;) {
+      const unsigned rest = nq - i0, passes = (rest + V::acc_queries - 1) / V::acc_queries;
+      const unsigned n = (rest + passes - 1) / passes;
       const float* pi = p + i0 * p_stride + t0;
       float* a = acc + std::size_t(i0) * head_dim;
-      switch (umin(8u, nq - i0)) {
+      i0 += n;
+      switch (n) {
         case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a); break;
         case 2: acc_nq<2>(pi, p_stride, vt, nt, head_dim, a); break;
         case 3: acc_nq<3>(pi, p_stride, vt, nt, head_dim, a); break;
