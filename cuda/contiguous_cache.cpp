@@ -335,6 +335,55 @@ result<void> contiguous_cache<cuda>::truncate(seq_id id, std::size_t n) {
   return {};
 }
 
+result<seq_id> contiguous_cache<cuda>::copy_prefix(seq_id src_id, std::size_t n) {
+  impl& m = *impl_;
+  result<std::uint32_t> src_slot = m.ids.slot(src_id, "copy_prefix: unknown sequence");
+  KVCACHE_TRY(src_slot);
+  const impl::sequence& src = m.seqs[src_slot.value()];
+  if (src.reserved)
+    return fail(errc::reservation_pending, "copy_prefix: the source has an open reservation",
+                {{"seq", static_cast<long long>(src_id.value)}, {"pending", static_cast<long long>(src.pending)}});
+  if (n > src.length)
+    return fail(errc::out_of_range, "copy_prefix: count past the source's length",
+                {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
+                 {"length", static_cast<long long>(src.length)}});
+  if (m.ids.live() >= m.cfg.max_sequences)
+    return fail(errc::capacity_exceeded, "copy_prefix: every sequence slot is in use",
+                {{"max_sequences", static_cast<long long>(m.cfg.max_sequences)}});
+  // The new slot is the one acquire() will hand out; copy first, so a failed copy changes nothing.
+  result<seq_id> id = m.ids.acquire();
+  KVCACHE_TRY(id);
+  const std::uint32_t dst_slot = m.ids.slot(id.value(), "copy_prefix").value();
+  const std::size_t row = static_cast<std::size_t>(m.cfg.shape.head_dim) * dense_element_bytes(m.cfg.storage);
+  for (std::uint32_t l = 0; l < m.cfg.shape.layers && n > 0; ++l)
+    for (std::uint32_t kv = 0; kv < 2; ++kv)
+      for (std::uint32_t h = 0; h < m.cfg.shape.kv_heads; ++h) {
+        const std::size_t off = kv * m.buffer_bytes + h * m.head_bytes;  // [K|V][kv_head][capacity][head_dim]
+        const result<void> copied =
+            copy_on_device(m.where, m.k_base(dst_slot, l) + off, m.k_base(src_slot.value(), l) + off, n * row);
+        if (!copied.has_value()) {
+          m.ids.release(dst_slot);
+          return unexpected(copied.error());
+        }
+      }
+  impl::sequence& dst = m.seqs[dst_slot];
+  dst.length = n;
+  dst.pending = 0;
+  dst.reserved = false;
+  dst.written_count = 0;
+  for (std::uint32_t l = 0; l < m.cfg.shape.layers; ++l) dst.written[l] = false;
+  m.set_chunk_tokens(dst);
+  m.tokens += n;
+  ++m.epoch;
+  return id;
+}
+
+result<seq_id> contiguous_cache<cuda>::fork(seq_id src) {
+  result<std::uint32_t> slot = impl_->ids.slot(src, "fork: unknown sequence");
+  KVCACHE_TRY(slot);
+  return copy_prefix(src, impl_->seqs[slot.value()].length);
+}
+
 result<void> contiguous_cache<cuda>::release(seq_id id) {
   impl& m = *impl_;
   result<std::uint32_t> slot = m.ids.slot(id, "release: unknown sequence");

@@ -114,6 +114,22 @@ TEST(cuda_contiguous, same_bytes_as_the_cpu_cache) {
             KVCACHE_ASSERT_OK(cc->truncate(cid[s], keep));
           }
         }
+      // Deep copies: a fork replaces sequence 0, a half-length copy_prefix sequence 2.
+      for (const std::size_t s : {std::size_t{0}, std::size_t{2}}) {
+        const std::size_t n = s == 0 ? gc->length(gid[s]).value() : gc->length(gid[s]).value() / 2;
+        KVCACHE_ASSERT_OK(gc->release(gid[1]));  // make room (max_sequences 3)
+        KVCACHE_ASSERT_OK(cc->release(cid[1]));
+        auto g2 = s == 0 ? gc->fork(gid[s]) : gc->copy_prefix(gid[s], n);
+        auto c2 = s == 0 ? cc->fork(cid[s]) : cc->copy_prefix(cid[s], n);
+        KVCACHE_ASSERT_OK(g2);
+        KVCACHE_ASSERT_OK(c2);
+        gid[1] = g2.value();
+        cid[1] = c2.value();
+        ASSERT_EQ(gc->length(gid[1]).value(), n);
+      }
+      const kvcache::result<seq_id> full = gc->fork(gid[0]);
+      ASSERT_FALSE(full.has_value());
+      EXPECT_EQ(full.error().code, errc::capacity_exceeded);
       for (std::size_t s = 0; s < gid.size(); ++s) {
         ASSERT_EQ(gc->length(gid[s]).value(), cc->length(cid[s]).value());
         for (std::uint32_t l = 0; l < g.layers; ++l) {

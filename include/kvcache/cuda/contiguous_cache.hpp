@@ -102,6 +102,13 @@ class contiguous_cache<cuda> {
   [[nodiscard]] result<std::size_t> length(seq_id id) const;
   /// Keeps the first n tokens; errors as contiguous_cache<cpu>::truncate.
   [[nodiscard]] result<void> truncate(seq_id id, std::size_t n);
+  /// A new sequence holding a copy of src's first n tokens (device-to-device copies of the rows,
+  /// enqueued on the stream). Errors: unknown_sequence; reservation_pending if src has an open
+  /// reservation; out_of_range if n > src's length; capacity_exceeded when max_sequences are
+  /// live; device_error. Nothing changes on failure.
+  [[nodiscard]] result<seq_id> copy_prefix(seq_id src, std::size_t n);
+  /// A new sequence holding a copy of all of src's committed tokens (see copy_prefix).
+  [[nodiscard]] result<seq_id> fork(seq_id src);
   /// Releases a sequence (its slot's storage stays allocated for the next create()).
   [[nodiscard]] result<void> release(seq_id id);
   /// The committed tokens of one layer: zero chunks or one chunk with device k/v pointers,
