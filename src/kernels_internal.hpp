@@ -3,6 +3,10 @@
 // ISA translation units are compiled with their own -m flags: they must not define or instantiate
 // non-static inline functions shared with other translation units (ODR: the linker could keep an
 // AVX-512 copy for everyone). Keep their code in their own namespace, internal linkage.
+// The SIMD kernels are written once in kernels_simd.inl against a small per-ISA vector interface;
+// each ISA file defines that interface and includes the .inl inside its own anonymous namespace,
+// so every instantiation stays internal to that file (only <isa>::get() is exported). They must
+// not call half.hpp's constexpr conversions or the helpers below (those are for scalar code).
 #include <kvcache/kernels.hpp>
 
 namespace kvcache::kernels {
