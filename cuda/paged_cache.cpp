@@ -118,6 +118,7 @@ struct paged_cache<cuda>::impl {
   std::uint64_t stamp = 0, epoch = 0, prepared_epoch = ~0ull;
   std::uint32_t prepared_rows = 0;
   std::size_t prepared_longest = 0;
+  std::vector<std::int32_t> csr_indptr, csr_indices, csr_last;  // host CSR export buffers
 
   impl(const paged_config<cuda>& c, std::shared_ptr<pool_type> p, const cuda& w)
       : pool(std::move(p)), cfg(c), where(w), ids(c.max_sequences) {
@@ -644,6 +645,20 @@ result<block_table_csr> paged_cache<cuda>::export_block_tables(std::span<const s
   }
   return block_table_csr{indptr.data(), indices.data(), last_block_len.data(), static_cast<std::uint32_t>(seqs.size()),
                          block_tokens()};
+}
+
+result<block_table_csr> paged_cache<cuda>::export_block_tables(std::span<const seq_id> seqs) {
+  impl& m = *impl_;
+  std::size_t total = 0;
+  for (const seq_id id : seqs) {
+    result<std::uint32_t> slot = m.ids.slot(id, "export_block_tables: unknown sequence");
+    KVCACHE_TRY(slot);
+    total += m.blocks_for(m.seqs[slot.value()].length);
+  }
+  if (m.csr_indptr.size() < seqs.size() + 1) m.csr_indptr.resize(seqs.size() + 1);
+  if (m.csr_indices.size() < total) m.csr_indices.resize(total);
+  if (m.csr_last.size() < seqs.size()) m.csr_last.resize(seqs.size());
+  return export_block_tables(seqs, m.csr_indptr, m.csr_indices, m.csr_last);
 }
 
 paged_stats paged_cache<cuda>::stats() const {

@@ -129,6 +129,18 @@ TEST(cuda_paged, mirrors_the_cpu_cache_operation_for_operation) {
           ASSERT_TRUE(std::equal(gb.begin(), gb.end(), cb.begin(), cb.end())) << "block tables differ at op " << op;
         }
       }
+      std::vector<seq_id> gids, cids;
+      for (const auto& [gs, cs] : live) {
+        gids.push_back(gs);
+        cids.push_back(cs);
+      }
+      const auto gt = gc->export_block_tables(gids), ct = cc->export_block_tables(cids);
+      KVCACHE_ASSERT_OK(gt);
+      KVCACHE_ASSERT_OK(ct);
+      ASSERT_EQ(gt->batch, ct->batch);
+      for (std::uint32_t i = 0; i <= gt->batch; ++i) ASSERT_EQ(gt->indptr[i], ct->indptr[i]);
+      for (std::int32_t i = 0; i < gt->indptr[gt->batch]; ++i) ASSERT_EQ(gt->indices[i], ct->indices[i]);
+      for (std::uint32_t i = 0; i < gt->batch; ++i) ASSERT_EQ(gt->last_block_len[i], ct->last_block_len[i]);
       for (const auto& [gs, cs] : live)
         for (std::uint32_t l = 0; l < g.layers; ++l)
           EXPECT_TRUE(layer_bytes(gc->view(gs, l).value(), g, f, true) == layer_bytes(cc->view(cs, l).value(), g, f, false));
