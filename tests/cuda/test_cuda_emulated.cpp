@@ -42,12 +42,12 @@ struct attend_case {
 TEST(cuda_emulated, attend_kernels_match_float64_reference) {
   const attend_case cases[] = {
       {1, 1, 1, format::f16, format::f16, 16, false, 32, {1, 2, 33}},
-      {8, 2, 40, format::f16, format::f16, 16, false, 64, {0, 1, 31, 100, 200}},
+      {8, 2, 40, format::f16, format::f16, 16, false, 64, {0, 1, 31, 100, 130}},
       {4, 4, 64, format::f32, format::f32, 7, false, 32, {50, 0, 64}},
-      {12, 1, 72, format::f16, format::f16, 300, false, 128, {299, 130}},  // one page per sequence, gqa 12 > 8
-      {16, 2, 256, format::f16, format::f16, 32, false, 64, {150, 64}},
-      {8, 2, 64, format::q4, format::q4, 32, false, 64, {1, 32, 33, 150}},
-      {8, 2, 40, format::q4, format::q4, 32, true, 96, {0, 31, 130}},  // two-tier shape, ragged head_dim
+      {12, 1, 72, format::f16, format::f16, 160, false, 32, {159, 130}},  // one page per sequence, gqa 12 > 8
+      {16, 2, 256, format::f16, format::f16, 32, false, 64, {96, 64}},
+      {8, 2, 64, format::q4, format::q4, 32, false, 64, {1, 32, 33, 100}},
+      {8, 2, 40, format::q4, format::q4, 32, true, 64, {0, 31, 100}},  // two-tier shape, ragged head_dim
       {4, 1, 128, format::q4, format::f16, 32, true, 32, {129, 64}},
       {6, 3, 96, format::f16, format::q4, 32, false, 64, {95, 96, 97}},
   };
