@@ -44,6 +44,7 @@ summary=()
 current_stage=""
 stage_start=0
 stage_cpu0=0
+script_start=$SECONDS
 
 # CPU seconds (user + system) used so far by finished child processes, in $cpu_now: with the wall
 # time it shows what a stage costs on a machine that is busy with other work. (`times` must run in
