@@ -1,0 +1,114 @@
+// attend()'s own thread pool and an engine-supplied parallel_for, driven hard enough for
+// ThreadSanitizer (CI runs every *threads* test under -fsanitize=thread): many calls through one
+// persistent pool, and two engine threads each with its own workspace reading the same caches.
+#include <kvcache/attend.hpp>
+#include <kvcache/contiguous_cache.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace kvcache;
+
+constexpr geometry shape{1, 4, 64};
+constexpr std::uint32_t q_heads = 8;
+constexpr std::uint32_t sequences = 5;
+
+struct fixture_data {
+  contiguous_cache<cpu> cache;
+  std::vector<seq_id> ids;
+  std::vector<float> q;  // [sequence][q_head][head_dim]
+};
+
+fixture_data make_data(std::uint32_t seed) {
+  auto cache = contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16,
+                                              .max_sequences = sequences, .capacity_tokens = 600});
+  EXPECT_TRUE(cache.has_value());
+  fixture_data d{std::move(cache).value(), {}, {}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::uint32_t s = 0; s < sequences; ++s) {
+    const seq_id id = d.cache.create().value();
+    const std::size_t n = 37 + 113 * s;  // ragged lengths, a few hundred tokens
+    std::vector<float> k(n * shape.token_width()), v(k.size());
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    EXPECT_TRUE(d.cache.reserve(id, n).has_value());
+    EXPECT_TRUE(d.cache.write(id, 0, k, v).has_value());
+    EXPECT_TRUE(d.cache.commit(id).has_value());
+    d.ids.push_back(id);
+  }
+  d.q.resize(std::size_t{sequences} * q_heads * shape.head_dim);
+  for (float& x : d.q) x = nd(rng);
+  return d;
+}
+
+std::vector<layer_view> views_of(const fixture_data& d) {
+  std::vector<layer_view> views;
+  for (seq_id id : d.ids) views.push_back(d.cache.view(id, 0).value());
+  return views;
+}
+
+std::vector<float> run(const fixture_data& d, const attention_params& p, attention_workspace& ws) {
+  const std::vector<layer_view> views = views_of(d);
+  std::vector<float> out(d.q.size(), -1.0f);
+  const result<void> r = attend(p, views, d.q, out, ws);
+  EXPECT_TRUE(r.has_value()) << (r ? "" : r.error().message);
+  return out;
+}
+
+attention_params params(unsigned threads) {
+  return attention_params{.q_heads = q_heads, .kv_heads = shape.kv_heads, .head_dim = shape.head_dim,
+                          .threads = threads};
+}
+
+TEST(attend_threads, own_pool_matches_single_thread_over_many_calls) {
+  const fixture_data d = make_data(11);
+  attention_workspace ws1, ws3;
+  const std::vector<float> expected = run(d, params(1), ws1);
+  for (int call = 0; call < 200; ++call) {
+    const std::vector<float> got = run(d, params(3), ws3);
+    ASSERT_EQ(got, expected) << "call " << call;  // per-row work is identical: bitwise equal
+  }
+}
+
+// A tiny engine pool: one std::thread per worker, joined before run() returns.
+void engine_run(void* pool, std::size_t count, parallel_for::task_fn task, void* ctx) {
+  const unsigned workers = *static_cast<unsigned*>(pool);
+  std::vector<std::thread> threads;
+  for (unsigned w = 0; w < workers; ++w)
+    threads.emplace_back([=] {
+      for (std::size_t i = w; i < count; i += workers) task(ctx, i, w);
+    });
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(attend_threads, engine_pool_and_concurrent_workspaces) {
+  const fixture_data d = make_data(12);
+  attention_workspace ref_ws;
+  const std::vector<float> expected = run(d, params(1), ref_ws);
+
+  unsigned workers = 2;
+  attention_params engine = params(1);
+  engine.pool = parallel_for{.run = engine_run, .pool = &workers, .workers = workers};
+
+  // Two engine threads, each with its own workspace, attend over the same (read-only) caches.
+  std::vector<std::vector<float>> results(2);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 2; ++c)
+    callers.emplace_back([&, c] {
+      attention_workspace ws;
+      for (int call = 0; call < 30; ++call)
+        results[c] = run(d, c == 0 ? engine : params(2), ws);
+    });
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(results[0], expected);
+  EXPECT_EQ(results[1], expected);
+}
+
+}  // namespace
