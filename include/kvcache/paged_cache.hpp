@@ -25,6 +25,7 @@
 #include <kvcache/placement.hpp>
 #include <kvcache/view.hpp>
 #include <kvcache/detail/id_table.hpp>
+#include <kvcache/detail/write_checks.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -676,19 +677,9 @@ class paged_cache<cpu> {
     result<std::uint32_t> slot = ids_.slot(id, "write: unknown sequence");
     KVCACHE_TRY(slot);
     const geometry& g = shape();
-    if (layer >= g.layers)
-      return fail(errc::layer_out_of_range, "write: layer", {{"layer", layer}, {"layers", g.layers}});
     sequence& s = seqs_[slot.value()];
-    if (!s.reserved)
-      return fail(errc::not_reserved, "write: no open reservation", {{"seq", static_cast<long long>(id.value)}});
+    KVCACHE_TRY(detail::check_write(g, id, layer, s.reserved, s.pending, k.size(), v.size()));
     const std::size_t tw = g.token_width();
-    const std::size_t expected = s.pending * tw;  // pending <= pool tokens: the pool's bytes fit
-    if (k.size() != expected)
-      return fail(errc::bad_shape, "write: K size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(k.size())}});
-    if (v.size() != expected)
-      return fail(errc::bad_shape, "write: V size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(v.size())}});
     const pool_type& p = *pool_;
     const std::size_t B = block_tokens();
     const format fmt = p.storage();

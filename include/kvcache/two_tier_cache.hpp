@@ -52,6 +52,7 @@
 
 #include <kvcache/cache.hpp>
 #include <kvcache/detail/id_table.hpp>
+#include <kvcache/detail/write_checks.hpp>
 #include <kvcache/error.hpp>
 #include <kvcache/format.hpp>
 #include <kvcache/geometry.hpp>
@@ -627,19 +628,9 @@ class two_tier_cache<cpu> {
     auto slot = ids_.slot(s, "write: unknown sequence");
     KVCACHE_TRY(slot);
     const geometry& g = cfg_.shape;
-    if (layer >= g.layers)
-      return fail(errc::layer_out_of_range, "write: layer", {{"layer", layer}, {"layers", g.layers}});
     sequence& q = seqs_[*slot];
-    if (!q.reserved)
-      return fail(errc::not_reserved, "write: no open reservation", {{"seq", static_cast<long long>(s.value)}});
+    KVCACHE_TRY(detail::check_write(g, s, layer, q.reserved, q.p_tokens, k.size(), v.size()));
     const std::size_t width = g.token_width();
-    const std::size_t expected = std::size_t{q.p_tokens} * width;
-    if (k.size() != expected)
-      return fail(errc::bad_shape, "write: K size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(k.size())}});
-    if (v.size() != expected)
-      return fail(errc::bad_shape, "write: V size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(v.size())}});
 
     // Groups leaving the tail: group i is positions [32 i, 32 i + 32), old ones from the ring.
     for (std::uint32_t i = 0; i < q.p_groups; ++i) {
