@@ -27,11 +27,11 @@ namespace {
 
 constexpr float log2e = 1.4426950408889634f;
 
-// Tokens per score tile: long dense chunks are processed in tiles so that scores of one kv head's
-// query group stay in L1 (group * tile floats).
+// Tokens per tile: a tile's keys and values (and its scores, group * tile floats) stay in L1
+// between the score pass, the softmax step and the value pass. A multiple of the Q4 group (32).
 std::uint32_t tile_tokens(std::uint32_t group) {
-  std::uint32_t t = 4096 / group;
-  t = std::clamp<std::uint32_t>(t, 32, 256);
+  std::uint32_t t = 128 / group;
+  t = std::clamp<std::uint32_t>(t, 32, 128);
   return t / 32 * 32;
 }
 
@@ -70,14 +70,6 @@ std::size_t key_head_bytes(const chunk& c, std::uint32_t head_dim) {
 std::size_t value_head_bytes(const chunk& c, std::uint32_t head_dim) {
   if (c.v_format == format::q4) return sizeof(q4_block) * q4_value_blocks(head_dim) * c.tokens;
   return dense_element_bytes(c.v_format) * c.tokens * head_dim;
-}
-
-// Small chunks (paged blocks, Q4 groups) are scattered in memory, each within a page, where the
-// hardware prefetchers stop; so the next chunks' keys and this tile's values are prefetched.
-constexpr std::size_t prefetch_limit = 65536;  // bytes; larger chunks stream without help
-void prefetch(const std::byte* p, std::size_t bytes) {
-  if (bytes > prefetch_limit) return;
-  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
 bool known_format(format f) { return f == format::f32 || f == format::f16 || f == format::q4; }
@@ -150,20 +142,106 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
   return st;
 }
 
-// A task is one sequence and a run of its kv heads. The heads' K (then V) of one chunk lie side
-// by side in every cache layout ([kv_head][token][head_dim] per chunk), so visiting every head of
-// a chunk before the next chunk reads paged blocks and Q4 groups as one sequential stream instead
-// of page-sized pieces scattered over the whole pool.
-void run_task(const call& c, std::size_t task, unsigned worker) {
-  const std::size_t seq = task / c.tasks_per_seq;
-  const std::uint32_t h0 = static_cast<std::uint32_t>(task % c.tasks_per_seq) * c.heads_per_task;
-  const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
+// Small chunks (paged blocks, Q4 groups) lie scattered over the pool, where the hardware
+// prefetchers lose the stream: each head's part of the chunk some prefetch_tokens ahead is
+// prefetched in software, one head at a time between the score calls, so that the requests are
+// spread out. Large chunks (a contiguous cache) are streamed better by the hardware alone.
+constexpr std::uint32_t prefetch_tokens = 64;
+constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
+
+void prefetch_bytes(const std::byte* p, std::size_t bytes) {
+  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
+// The chunk to prefetch when chunk ci starts, or nullptr.
+const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t hd) {
+  const std::uint32_t d = std::max<std::uint32_t>(1, prefetch_tokens / std::max<std::uint32_t>(view.chunks[ci].tokens, 1));
+  if (ci + d >= view.count) return nullptr;
+  const chunk& a = view.chunks[ci + d];
+  return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
+}
+
+// Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile).
+void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n,
+                 const float* qf, float* s) {
+  const kernels::table& kt = *c.kt;
+  const std::uint32_t g = c.group, hd = c.head_dim;
+  const std::byte* kb = ch.k_head(h);
+  switch (ch.k_format) {
+    case format::f16:
+      kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile);
+      break;
+    case format::f32:
+      kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile);
+      break;
+    case format::q4:  // validated: the whole chunk is one group; off == 0
+      kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile);
+      break;
+  }
+}
+
+// acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
+// chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
+// all the tile's chunks is one call that keeps its accumulators in registers.
+void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
+                     std::uint32_t filled, const float* s, float* acc, unsigned worker) {
+  const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
+#if defined(KVCACHE_HAVE_AVX512)
+  if (c.fused_values) {
+    const format vf = view.chunks[ci].v_format;  // chunk ci has tokens: filled > 0
+    bool fused = vf != format::q4;
+    detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
+    const std::size_t elem = dense_element_bytes(vf);
+    std::uint32_t count = 0, done = 0;
+    for (std::uint32_t cj = ci, o = off; fused && done < filled; ++cj, o = 0) {
+      const chunk& ch = view.chunks[cj];
+      if (ch.tokens == 0) continue;
+      const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+      fused = ch.v_format == vf;
+      segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
+      done += n;
+    }
+    if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc)) return;
+  }
+#else
+  (void)worker;
+#endif
+  const kernels::table& kt = *c.kt;
+  const std::uint32_t nb = q4_value_blocks(hd);
+  std::uint32_t done = 0;
+  for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
+    const chunk& ch = view.chunks[cj];
+    if (ch.tokens == 0) continue;
+    const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+    const std::byte* vb = ch.v_head(h);
+    const float* p = s + done;
+    switch (ch.v_format) {
+      case format::f16:
+        kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
+        break;
+      case format::f32:
+        kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
+        break;
+      case format::q4:
+        kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc);
+        break;
+    }
+    done += n;
+  }
+}
+
+// Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
+// (gathered over as many chunks as it takes) is scored for every head of the range, each head's
+// online-softmax step taken, and its values summed while the tile's keys and values are still in
+// cache. One head at a time reads a contiguous cache's K and V as two sequential streams; all
+// heads of a task together read a paged block or a Q4 group (every head side by side) as one.
+void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
-  float* base = c.scratch + worker * c.worker_stride;
-  auto st = [&](std::uint32_t h) { return state_of(base + (h - h0) * c.head_floats, g, hd, tile); };
+  const layer_view& view = c.views[seq];
+  auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
-  for (std::uint32_t h = h0; h < h1; ++h) {
+  for (std::uint32_t h = ha; h < hb; ++h) {
     const head_state hs = st(h);
     const float* qh = c.q + (seq * c.kv_heads + h) * gd;
     for (std::size_t i = 0; i < gd; ++i) {
@@ -176,11 +254,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     }
   }
 
-  const kernels::table& kt = *c.kt;
-  const layer_view& view = c.views[seq];
-  const std::uint32_t nb = q4_value_blocks(hd);
-  // A tile gathers up to `tile` tokens from one or more chunks (paged blocks and Q4 groups are
-  // small), so one softmax step serves many chunks. Cursor: chunk ci, token offset off.
+  // Cursor: chunk ci, token offset off.
   std::uint32_t ci = 0, off = 0;
   while (ci < view.count) {
     const std::uint32_t start_ci = ci, start_off = off;
@@ -191,30 +265,14 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
-      if (off == 0) {
-        if (ci + 1 < view.count) {
-          const chunk& next = view.chunks[ci + 1];
-          prefetch(next.k_head(h0), key_head_bytes(next, hd) * (h1 - h0));
-        }
-        // Values are summed head by head over the whole tile when fused_values: fetch them now,
-        // while this chunk's heads are read as one stream.
-        if (c.fused_values) prefetch(ch.v_head(h0), value_head_bytes(ch, hd) * (h1 - h0));
-      }
-      for (std::uint32_t h = h0; h < h1; ++h) {
+      const chunk* ahead = off == 0 ? chunk_ahead(view, ci, hd) : nullptr;
+      for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
-        const std::byte* kb = ch.k_head(h);
-        float* sc = hs.s + filled;
-        switch (ch.k_format) {
-          case format::f16:
-            kt.scores_f16(hs.qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
-            break;
-          case format::f32:
-            kt.scores_f32(hs.qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, sc, tile);
-            break;
-          case format::q4:  // validated: the whole chunk is one group; off == 0
-            kt.scores_q4(hs.qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, sc, tile);
-            break;
+        if (ahead != nullptr) {
+          prefetch_bytes(ahead->k_head(h), key_head_bytes(*ahead, hd));
+          prefetch_bytes(ahead->v_head(h), value_head_bytes(*ahead, hd));
         }
+        score_chunk(c, ch, h, off, n, hs.qf, hs.s + filled);
       }
       filled += n;
       if (off + n < ch.tokens) {  // the tile is full inside this chunk
@@ -223,81 +281,38 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
       }
     }
     if (filled == 0) break;  // only empty chunks were left
-    for (std::uint32_t h = h0; h < h1; ++h) {
+    std::uint32_t first = start_ci;  // the tile's first chunk with tokens
+    while (view.chunks[first].tokens == 0) ++first;
+    for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
-    }
-    // Second pass over the same token range: weighted values. With fused_values and one dense
-    // value format over the tile, each head's sum over all the tile's chunks is one call that
-    // keeps its accumulators in registers.
-    if (c.fused_values) {
-      std::uint32_t done = 0;
-      const format vf = view.chunks[start_ci].v_format;  // start_ci has tokens: filled > 0
-      bool uniform = vf != format::q4;
-      for (std::uint32_t cj = start_ci, o = start_off; uniform && done < filled; ++cj, o = 0) {
-        const chunk& ch = view.chunks[cj];
-        if (ch.tokens == 0) continue;
-        const std::uint32_t n = std::min(filled - done, ch.tokens - o);
-        uniform = ch.v_format == vf;
-        done += n;
-      }
-      if (uniform) {
-#if defined(KVCACHE_HAVE_AVX512)
-        detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
-        const std::size_t elem = dense_element_bytes(vf);
-        for (std::uint32_t h = h0; h < h1; ++h) {
-          std::uint32_t count = 0;
-          done = 0;
-          for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
-            const chunk& ch = view.chunks[cj];
-            if (ch.tokens == 0) continue;
-            const std::uint32_t n = std::min(filled - done, ch.tokens - o);
-            segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
-            done += n;
-          }
-          const head_state hs = st(h);
-          (void)detail::attend_avx512::accumulate_segments(vf == format::f16, hs.s, tile, g, segs, count, hd, hs.acc);
-        }
-        continue;
-#endif
-      }
-    }
-    std::uint32_t done = 0;
-    for (std::uint32_t cj = start_ci, o = start_off; done < filled; ++cj, o = 0) {
-      const chunk& ch = view.chunks[cj];
-      if (ch.tokens == 0) continue;
-      const std::uint32_t n = std::min(filled - done, ch.tokens - o);
-      if (o == 0 && cj + 1 < view.count) {
-        const chunk& next = view.chunks[cj + 1];
-        prefetch(next.v_head(h0), value_head_bytes(next, hd) * (h1 - h0));
-      }
-      for (std::uint32_t h = h0; h < h1; ++h) {
-        const head_state hs = st(h);
-        const std::byte* vb = ch.v_head(h);
-        const float* p = hs.s + done;
-        switch (ch.v_format) {
-          case format::f16:
-            kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, hs.acc);
-            break;
-          case format::f32:
-            kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, hs.acc);
-            break;
-          case format::q4:
-            kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, hs.acc);
-            break;
-        }
-      }
-      done += n;
+      accumulate_tile(c, view, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker);
     }
   }
 
-  for (std::uint32_t h = h0; h < h1; ++h) {
+  for (std::uint32_t h = ha; h < hb; ++h) {
     const head_state hs = st(h);
     float* oh = c.out + (seq * c.kv_heads + h) * gd;
     for (std::uint32_t i = 0; i < g; ++i) {
       const float inv = hs.run_sum[i] > 0.0f ? 1.0f / hs.run_sum[i] : 0.0f;
       for (std::uint32_t d = 0; d < hd; ++d) oh[i * hd + d] = hs.acc[i * hd + d] * inv;
     }
+  }
+}
+
+// A task is one sequence and a run of its kv heads: done head by head when the view's chunks are
+// large (a contiguous cache), all heads together when they are small (paged blocks, Q4 groups).
+void run_task(const call& c, std::size_t task, unsigned worker) {
+  const std::size_t seq = task / c.tasks_per_seq;
+  const std::uint32_t h0 = static_cast<std::uint32_t>(task % c.tasks_per_seq) * c.heads_per_task;
+  const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
+  float* base = c.scratch + worker * c.worker_stride;
+  const layer_view& view = c.views[seq];
+  const bool large = view.count <= 1 || view.tokens / view.count >= 4 * c.tile;
+  if (large) {
+    for (std::uint32_t h = h0; h < h1; ++h) run_heads(c, seq, h, h + 1, base, worker);
+  } else {
+    run_heads(c, seq, h0, h1, base, worker);
   }
 }
 
@@ -471,14 +486,13 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
   const std::uint32_t hpt = heads_per_task(views.size(), p.kv_heads, workers);
   const std::uint32_t tasks_per_seq = (p.kv_heads + hpt - 1) / hpt;
-  const std::size_t head_floats = worker_floats(group, p.head_dim);
   bool fused_values = false;
 #if defined(KVCACHE_HAVE_AVX512)
   fused_values = kt.which == isa::avx512 && p.head_dim % 16 == 0 &&
                  (group == 1 || group == 2 || group == 4 || group == 8);
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, tile_tokens(group),
-               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), head_floats * p.kv_heads, head_floats,
+               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get()};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
