@@ -1,5 +1,6 @@
 // block_pool<cpu> creation and the pool's bookkeeping (detail::block_ledger).
 #include <kvcache/block_pool.hpp>
+#include <kvcache/detail/storage.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -303,7 +304,7 @@ block_pool<cpu>::block_pool(make_tag, const block_pool_config& cfg, std::byte* s
       head_stride_(head_stride),
       ledger_(blocks, cfg.block_tokens, cfg.hash) {}
 
-block_pool<cpu>::~block_pool() { ::operator delete(storage_, std::align_val_t{64}); }
+block_pool<cpu>::~block_pool() { ::operator delete(storage_, std::align_val_t{detail::storage_alignment(resident_)}); }
 
 result<std::shared_ptr<block_pool<cpu>>> block_pool<cpu>::create(const block_pool_config& cfg) {
   KVCACHE_TRY(validate(cfg.shape));
@@ -332,7 +333,7 @@ result<std::shared_ptr<block_pool<cpu>>> block_pool<cpu>::create(const block_poo
   const std::size_t layer_bytes = blocks * *block_stride;  // <= budget: cannot overflow
   const std::size_t bytes = layer_bytes * cfg.shape.layers;
   const std::size_t rounded = (bytes + 63) / 64 * 64;
-  void* mem = ::operator new(rounded, std::align_val_t{64}, std::nothrow);
+  void* mem = detail::allocate_storage(rounded).release();  // freed by ~block_pool
   if (mem == nullptr)
     return fail(errc::out_of_memory, "block_pool: storage allocation failed",
                 {{"bytes", static_cast<long long>(rounded)}});

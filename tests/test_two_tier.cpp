@@ -389,7 +389,7 @@ TEST(two_tier, stats_match_the_geometry_by_hand) {
   EXPECT_EQ(st.resident_bytes, ring + 2 * 4 * group);
   // Metadata for 2 slabs (8 slots): group table 16 entries, chunk arrays 2 layers * 18,
   // chunk counts, slab table and use counts, free-slot list of 8, written flags, scratch.
-  const std::size_t meta = 16 * 8 + 2 * 18 * sizeof(chunk) + 2 * 4 + 2 * sizeof(void*) + 2 * 4 + 8 * 4 + 2 + scratch;
+  const std::size_t meta = 16 * 8 + 2 * 18 * sizeof(chunk) + 2 * 4 + 2 * sizeof(kvcache::detail::two_tier::buffer) + 2 * 4 + 8 * 4 + 2 + scratch;
   EXPECT_EQ(st.metadata_bytes, meta);
   // FP16 of the same tokens: 200 * 2 layers * {K, V} * 128 values * 2 bytes.
   EXPECT_EQ(st.f16_bytes, 200u * 2 * 2 * 128 * 2);

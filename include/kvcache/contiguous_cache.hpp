@@ -21,6 +21,7 @@
 #include <kvcache/placement.hpp>
 #include <kvcache/view.hpp>
 #include <kvcache/detail/id_table.hpp>
+#include <kvcache/detail/storage.hpp>
 #include <kvcache/detail/write_checks.hpp>
 
 #include <cstddef>
@@ -131,7 +132,7 @@ class contiguous_cache<cpu> {
     if (ids_.live() >= cfg_.max_sequences)
       return fail(errc::capacity_exceeded, "create: every sequence slot is in use",
                   {{"max_sequences", static_cast<long long>(cfg_.max_sequences)}});
-    storage_ptr mem(static_cast<std::byte*>(::operator new(seq_bytes_, std::align_val_t{alignment}, std::nothrow)));
+    detail::storage mem = detail::allocate_storage(seq_bytes_);
     if (!mem)
       return fail(errc::out_of_memory, "create: sequence storage", {{"bytes", static_cast<long long>(seq_bytes_)}});
     result<seq_id> id = ids_.acquire();  // capacity checked above; bookkeeping pre-reserved
@@ -299,14 +300,9 @@ class contiguous_cache<cpu> {
   }
 
  private:
-  struct aligned_delete {
-    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{alignment}); }
-  };
-  using storage_ptr = std::unique_ptr<std::byte, aligned_delete>;
-
   /// Per-sequence state; every array is allocated once, when the cache is created.
   struct sequence {
-    storage_ptr storage;              // [layer][K|V][kv_head][capacity][head_dim], null when free
+    detail::storage storage;              // [layer][K|V][kv_head][capacity][head_dim], null when free
     std::unique_ptr<chunk[]> chunks;  // [layer] the one chunk of each layer view
     std::unique_ptr<bool[]> written;  // [layer] written since the open reservation began
     std::size_t length = 0;           // committed tokens

@@ -52,6 +52,7 @@
 
 #include <kvcache/cache.hpp>
 #include <kvcache/detail/id_table.hpp>
+#include <kvcache/detail/storage.hpp>
 #include <kvcache/detail/write_checks.hpp>
 #include <kvcache/error.hpp>
 #include <kvcache/format.hpp>
@@ -131,17 +132,11 @@ class two_tier_cache;
 
 namespace detail::two_tier {
 
-/// Frees what allocate() returned.
-struct aligned_free {
-  void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{64}); }
-};
-/// A 64-byte aligned byte buffer.
-using buffer = std::unique_ptr<std::byte[], aligned_free>;
+/// A byte buffer, 64-byte aligned (a huge page from one huge page up).
+using buffer = detail::storage;
 
-/// n bytes aligned to 64, or null if the allocator refuses.
-[[nodiscard]] inline buffer allocate(std::size_t n) noexcept {
-  return buffer(static_cast<std::byte*>(::operator new(n, std::align_val_t{64}, std::nothrow)));
-}
+/// n bytes, or null if the allocator refuses.
+[[nodiscard]] inline buffer allocate(std::size_t n) noexcept { return detail::allocate_storage(n); }
 
 /// One store group of a sequence: its slot and how many of its 32 tokens are live.
 struct group_ref {
