@@ -147,6 +147,15 @@ result<void> force_isa(isa i) {
 namespace kernels {
 const table& active() noexcept { return *current().load(std::memory_order_acquire); }
 const table* find(isa i) noexcept { return table_of(i); }
+
+const table* find(isa i, q4_arith a) noexcept {
+  const table* t = table_of(i);
+  if (t == nullptr || t->q4 == a) return t;
+#if defined(KVCACHE_HAVE_AVX512)
+  if (i == isa::avx512 && a == q4_arith::float32) return &avx512::float_q4();
+#endif
+  return nullptr;
+}
 }  // namespace kernels
 
 }  // namespace kvcache

@@ -26,7 +26,16 @@ namespace scalar { const table& get() noexcept; }
 namespace avx2 { const table& get() noexcept; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
-namespace avx512 { const table& get() noexcept; }
+namespace avx512 {
+/// The AVX-512 table: with the int8 Q4 key scores of kernels_avx512vnni.cpp when the CPU has VNNI
+/// and VBMI. float_q4: always the float Q4 kernels.
+const table& get() noexcept;
+const table& float_q4() noexcept;
+}  // namespace avx512
+namespace avx512vnni {
+void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
+               float* out, std::size_t out_stride);
+}  // namespace avx512vnni
 #endif
 #if defined(KVCACHE_HAVE_NEON)
 namespace neon { const table& get() noexcept; }

@@ -373,6 +373,19 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
 // the same sums: same bound. 2e-5 leaves a margin of ~5x over the worst seen across ISAs.
 constexpr double arithmetic_tol = 2e-5;
 
+// The int8 Q4 key scores (kernels::q4_arith::int8, AVX-512 VNNI) carry the folded query with 15
+// bits (max|x| / (127 * 508) per element): a score moves by at most max_d|q_d s_d| * sum_d code_d
+// / 64516, ~1e-3 of the score's scale at head_dim 128, and the softmax weights by as much
+// relative. Worst seen 4.7e-5 of max|V|; 2e-4 keeps a ~4x margin.
+constexpr double int8_tol = 2e-4;
+
+bool has_q4(pattern p) { return p == pattern::two_tier || p == pattern::q4_only || p == pattern::mixed; }
+
+// The tolerance of a case over the stored values, for the active kernels.
+double tolerance(pattern p) {
+  return has_q4(p) && kvcache::kernels::active().q4 == kvcache::kernels::q4_arith::int8 ? int8_tol : arithmetic_tol;
+}
+
 class attend_isa : public ::testing::TestWithParam<isa> {};
 
 TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
@@ -387,7 +400,7 @@ TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
         if (s.q_heads == 32 && n % 16 != 1) continue;  // big shape: a subset of lengths
         const case_result r = run_case(rng, s, p, {n, n / 2 + 1, 1});
         ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
-        EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol)
+        EXPECT_LE(r.vs_eff.max_rel, tolerance(p))
             << name(p) << " n=" << n << " q_heads=" << s.q_heads << " kv_heads=" << s.kv_heads << " head_dim=" << s.head_dim;
         worst = std::max(worst, r.vs_eff.max_rel);
       }
@@ -405,7 +418,7 @@ TEST_P(attend_isa, long_contexts) {
     if (emulated() && p != pattern::paged16_f16 && p != pattern::two_tier) continue;
     const case_result r = run_case(rng, {32, 8, 128}, p, {4096}, 2);
     ASSERT_TRUE(r.vs_eff.finite) << name(p);
-    EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol) << name(p);
+    EXPECT_LE(r.vs_eff.max_rel, tolerance(p)) << name(p);
   }
 }
 
@@ -443,7 +456,7 @@ TEST_P(attend_isa, q4_error_against_unquantized_keys_with_outlier_channels) {
     std::printf("[ %s ] %s 4096 tokens, keys with outlier channels: relative L2 error %.4f vs f32 inputs\n",
                 std::string(kvcache::to_string(GetParam())).c_str(), name(p), r.rel_l2_orig);
     EXPECT_LE(r.rel_l2_orig, 2e-2) << name(p);  // DESIGN.md section 3 target
-    EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol) << name(p);
+    EXPECT_LE(r.vs_eff.max_rel, tolerance(p)) << name(p);
   }
 }
 

@@ -400,13 +400,29 @@ double code_value(const q4_block& b, std::uint32_t j, double* mag) {
   return m + s * c;
 }
 
+// The tables of this test's ISA, one per Q4 arithmetic it has here (AVX-512: float, and int8
+// where the CPU has VNNI and VBMI).
+std::vector<const kernels::table*> q4_tables(isa i) {
+  std::vector<const kernels::table*> r;
+  for (kernels::q4_arith a : {kernels::q4_arith::float32, kernels::q4_arith::int8})
+    if (const kernels::table* t = kernels::find(i, a)) r.push_back(t);
+  return r;
+}
+
+// Error bound of the int8 split (kernels.hpp): each element of the float operand x is carried as
+// scale * (hi + lo / 254) with scale = max|x| / 127, so it is off by at most max|x| / (127 * 508);
+// times the code it multiplies.
+constexpr double int8_split = 1.0 / (127.0 * 508.0);
+
 TEST_P(Kernels, ScoresQ4) {
   KVCACHE_SEED_TRACE();
+  for (const kernels::table* t : q4_tables(GetParam()))
   for (std::uint32_t hd : head_dims)
     for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
       for (std::uint32_t tokens = 1; tokens <= 32; ++tokens) {
         if (nq > 2 && tokens % 4 != 1 && tokens < 30) continue;  // keep the run time modest
-        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        const bool int8 = t->q4 == kernels::q4_arith::int8;
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " int8=", int8));
         const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
         std::vector<q4_block> kb(hd + 1);
         ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data() + 1);  // blocks unaligned too
@@ -415,32 +431,39 @@ TEST_P(Kernels, ScoresQ4) {
         const std::size_t os = 37;
         const float guard = -999.0f;
         std::vector<float> out(nq * os + 1, guard);
-        t_->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os);
-        for (std::uint32_t i = 0; i < nq; ++i)
+        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os);
+        for (std::uint32_t i = 0; i < nq; ++i) {
+          double qmax = 0;  // max |q_d s_d|: the int8 split's operand
+          for (std::uint32_t d = 0; d < hd; ++d)
+            qmax = std::max(qmax, std::abs(q[1 + i * hd + d] * static_cast<double>(kvcache::to_float(kb[1 + d].scale))));
           for (std::uint32_t tt = 0; tt < os; ++tt) {
             const float got = out[i * os + tt];
             if (tt >= tokens) {
               ASSERT_EQ(got, guard) << "wrote past tokens at i=" << i << " t=" << tt;
               continue;
             }
-            double ref = 0, mag = 0;
+            double ref = 0, mag = 0, codes = 0;
             for (std::uint32_t d = 0; d < hd; ++d) {
               double m;
               const double kv = code_value(kb[1 + d], tt, &m);
               ref += q[1 + i * hd + d] * kv;
               mag += std::abs(q[1 + i * hd + d]) * m;
+              codes += kvcache::q4_code(kb[1 + d], tt);
             }
-            ASSERT_NEAR(got, ref, 3.0 * (hd + 2) * eps32 * mag + 1e-30) << "i=" << i << " t=" << tt;
+            const double tol = 3.0 * (hd + 2) * eps32 * mag + (int8 ? qmax * int8_split * codes : 0.0) + 1e-30;
+            ASSERT_NEAR(got, ref, tol) << "i=" << i << " t=" << tt;
           }
+        }
       }
 }
 
 TEST_P(Kernels, AccumulateQ4) {
   KVCACHE_SEED_TRACE();
+  for (const kernels::table* t : q4_tables(GetParam()))
   for (std::uint32_t hd : head_dims)
     for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
       for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 7u, 8u, 15u, 16u, 17u, 31u, 32u, 33u, 64u, 100u}) {
-        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " q4_arith=", static_cast<int>(t->q4)));
         const std::uint32_t nb = kvcache::q4_value_blocks(hd);
         const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
         std::vector<q4_block> vb(tokens * nb + 1);
@@ -451,21 +474,41 @@ TEST_P(Kernels, AccumulateQ4) {
         std::vector<float> acc(nq * hd + 2);
         for (float& x : acc) x = normal();
         const std::vector<float> acc0 = acc;
-        t_->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1);
+        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1);
         ASSERT_EQ(acc[0], acc0[0]);
         ASSERT_EQ(acc.back(), acc0.back());
         for (std::uint32_t i = 0; i < nq; ++i)
           for (std::uint32_t d = 0; d < hd; ++d) {
+            const q4_block* col = vb.data() + 1 + d / 32;  // block of channel d, token 0; stride nb
             double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
             for (std::uint32_t tt = 0; tt < tokens; ++tt) {
               double m;
-              const double vv = code_value(vb[1 + tt * nb + d / 32], d % 32, &m);
+              const double vv = code_value(col[tt * nb], d % 32, &m);
               ref += p[1 + i * ps + tt] * vv;
               mag += p[1 + i * ps + tt] * m;
             }
-            ASSERT_NEAR(acc[1 + i * hd + d], ref, 3.0 * (tokens + 2) * eps32 * mag + 1e-30) << "i=" << i << " d=" << d;
+            const double tol = 3.0 * (tokens + 2) * eps32 * mag + 1e-30;  // float in every table
+            ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
           }
       }
+}
+
+// The int8 arithmetic is chosen wherever the CPU has it, and find(isa, arith) gives both.
+TEST_P(Kernels, Q4ArithmeticVariants) {
+  const std::vector<const kernels::table*> ts = q4_tables(GetParam());
+  ASSERT_FALSE(ts.empty());
+  EXPECT_EQ(ts.back(), t_) << "find(isa) is not the fastest Q4 arithmetic";
+  for (const kernels::table* t : ts) EXPECT_EQ(t->which, GetParam());
+  if (GetParam() != isa::avx512) {
+    EXPECT_EQ(ts.size(), 1u) << "only AVX-512 has an int8 Q4 path";
+  }
+#if defined(__x86_64__)
+  if (GetParam() == isa::avx512) {
+    __builtin_cpu_init();
+    const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+    EXPECT_EQ(t_->q4 == kernels::q4_arith::int8, vnni);
+  }
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(isa::scalar, isa::avx2, isa::avx512, isa::neon),

@@ -13,6 +13,16 @@
 
 namespace kvcache::kernels {
 
+/// How a table computes its Q4 key scores (scores_q4). accumulate_q4 is float in every table.
+enum class q4_arith : std::uint8_t {
+  /// Codes converted to floats, float FMAs with the scales folded in: error of float rounding.
+  float32,
+  /// Integer dot products of the codes with the folded query q_d * scale_d split per query as
+  /// scale * (hi + lo / 254), hi and lo int8: at most max_d |q_d scale_d| / (2 * 127 * 254) of
+  /// error per channel, times its code. AVX-512 with VNNI and VBMI.
+  int8,
+};
+
 /// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
 struct table {
   isa which;
@@ -60,12 +70,20 @@ struct table {
   /// per block, acc += (p * scale) * code + p * min.
   void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
                         std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+
+  /// The arithmetic of scores_q4.
+  q4_arith q4 = q4_arith::float32;
 };
 
 /// The table of the active ISA (see isa.hpp).
 [[nodiscard]] const table& active() noexcept;
 
-/// The table of a specific ISA, or nullptr if not compiled in or not supported by this CPU.
+/// The table of a specific ISA, or nullptr if not compiled in or not supported by this CPU. Its
+/// Q4 arithmetic is the fastest this CPU has (int8 where available).
 [[nodiscard]] const table* find(isa i) noexcept;
+
+/// The table of ISA i with the given Q4 arithmetic, or nullptr where this build or CPU lacks the
+/// pair (for tests and benchmarks that compare the two).
+[[nodiscard]] const table* find(isa i, q4_arith a) noexcept;
 
 }  // namespace kvcache::kernels
