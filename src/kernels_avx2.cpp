@@ -122,11 +122,23 @@ struct V {
   static vf recip_or_zero(vf s) {
     return _mm256_and_ps(_mm256_div_ps(set1(1.0f), s), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
   }
-  // Scale and min of n blocks b[j * stride]: one gather of their first 4 bytes (scale | min << 16).
+  // Scale and min of n blocks b[j * stride], their first 4 bytes (scale | min << 16) read with
+  // scalar loads and inserts: vpgatherdd is microcoded and several times slower on AMD Zen.
+  static std::uint32_t header(const q4_block* b) {
+    std::uint32_t x;
+    __builtin_memcpy(&x, b, sizeof x);
+    return x;
+  }
+  static __m128i headers4(const q4_block* b, std::size_t stride, unsigned n) {
+    __m128i x = _mm_cvtsi32_si128(n > 0 ? static_cast<int>(header(b)) : 0);
+    x = _mm_insert_epi32(x, n > 1 ? static_cast<int>(header(b + stride)) : 0, 1);
+    x = _mm_insert_epi32(x, n > 2 ? static_cast<int>(header(b + 2 * stride)) : 0, 2);
+    return _mm_insert_epi32(x, n > 3 ? static_cast<int>(header(b + 3 * stride)) : 0, 3);
+  }
   static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(static_cast<int>(stride * (sizeof(q4_block) / 4))));
-    const __m256i dw = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(b), idx, mask(n), 4);
+    const __m128i lo = headers4(b, stride, n);
+    const __m128i hi = n > 4 ? headers4(b + 4 * stride, stride, n - 4) : _mm_setzero_si128();
+    const __m256i dw = _mm256_set_m128i(hi, lo);
     const __m256i sm = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(dw, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dw, 16)), 0xD8);
     s = _mm256_cvtph_ps(_mm256_castsi256_si128(sm));
