@@ -9,7 +9,7 @@
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
 #   isa        scalar|avx2|avx512|neon (default: the best this CPU supports)
 # Environment: KVCACHE_BENCH_MIN_TIME (seconds per benchmark and repetition, default 0.3),
-#   KVCACHE_BENCH_REPETITIONS (default 3; each figure is the best repetition, baselines included,
+#   KVCACHE_BENCH_REPETITIONS (default 5, run in random interleaved order; each figure is the best repetition, baselines included,
 #   which filters out the time slices a shared machine takes away).
 set -euo pipefail
 
@@ -17,7 +17,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$repo/build}"
 isa="${2:-}"
 min_time="${KVCACHE_BENCH_MIN_TIME:-0.3}"
-repetitions="${KVCACHE_BENCH_REPETITIONS:-3}"
+repetitions="${KVCACHE_BENCH_REPETITIONS:-5}"
 
 if [[ ! -x "$build/bench/kvcache_bench" ]]; then
   cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCACHE_BUILD_BENCH=ON >/dev/null
@@ -37,7 +37,7 @@ fi
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 "$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|two_tier)/[^/]+/$isa/" \
-  --benchmark_min_time="$min_time" --benchmark_repetitions="$repetitions" --benchmark_out="$out" --benchmark_out_format=json >&2
+  --benchmark_min_time="$min_time" --benchmark_repetitions="$repetitions" --benchmark_enable_random_interleaving=true --benchmark_out="$out" --benchmark_out_format=json >&2
 
 python3 - "$out" "$isa" <<'EOF'
 import json, re, sys

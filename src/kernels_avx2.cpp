@@ -20,6 +20,8 @@ namespace {
 // Lane masks for maskload/maskstore: tail_mask + 8 - n selects the first n of 8 lanes.
 alignas(64) const std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
+#include "q4_headers.inl"
+
 // The vector interface kernels_simd.inl is written against: 8 float lanes, 16 registers.
 struct V {
   static constexpr isa which = isa::avx2;
@@ -122,22 +124,10 @@ struct V {
   static vf recip_or_zero(vf s) {
     return _mm256_and_ps(_mm256_div_ps(set1(1.0f), s), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
   }
-  // Scale and min of n blocks b[j * stride], their first 4 bytes (scale | min << 16) read with
-  // scalar loads and inserts: vpgatherdd is microcoded and several times slower on AMD Zen.
-  static std::uint32_t header(const q4_block* b) {
-    std::uint32_t x;
-    __builtin_memcpy(&x, b, sizeof x);
-    return x;
-  }
-  static __m128i headers4(const q4_block* b, std::size_t stride, unsigned n) {
-    __m128i x = _mm_cvtsi32_si128(n > 0 ? static_cast<int>(header(b)) : 0);
-    x = _mm_insert_epi32(x, n > 1 ? static_cast<int>(header(b + stride)) : 0, 1);
-    x = _mm_insert_epi32(x, n > 2 ? static_cast<int>(header(b + 2 * stride)) : 0, 2);
-    return _mm_insert_epi32(x, n > 3 ? static_cast<int>(header(b + 3 * stride)) : 0, 3);
-  }
+  // Scale and min of n blocks b[j * stride] (q4_headers.inl).
   static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    const __m128i lo = headers4(b, stride, n);
-    const __m128i hi = n > 4 ? headers4(b + 4 * stride, stride, n - 4) : _mm_setzero_si128();
+    const __m128i lo = q4_headers4(b, stride, n);
+    const __m128i hi = n > 4 ? q4_headers4(b + 4 * stride, stride, n - 4) : _mm_setzero_si128();
     const __m256i dw = _mm256_set_m128i(hi, lo);
     const __m256i sm = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(_mm256_and_si256(dw, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dw, 16)), 0xD8);

@@ -17,6 +17,8 @@
 namespace kvcache::kernels::avx512 {
 namespace {
 
+#include "q4_headers.inl"
+
 // The vector interface kernels_simd.inl is written against: 16 float lanes.
 struct V {
   static constexpr isa which = isa::avx512;
@@ -106,26 +108,8 @@ struct V {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), set1(1.0f), s);
   }
   // Scale and min of n blocks b[j * stride]: one gather of their first 4 bytes (scale | min << 16).
-  // Sixteen scalar loads and inserts rather than vpgatherdd, which is microcoded and several
-  // times slower on AMD Zen 4/5 (and no faster on Intel for 16 elements).
-  static std::uint32_t header(const q4_block* b) {
-    std::uint32_t x;
-    __builtin_memcpy(&x, b, sizeof x);
-    return x;
-  }
-  static __m128i headers4(const q4_block* b, std::size_t stride, unsigned n) {
-    __m128i x = _mm_cvtsi32_si128(n > 0 ? static_cast<int>(header(b)) : 0);
-    x = _mm_insert_epi32(x, n > 1 ? static_cast<int>(header(b + stride)) : 0, 1);
-    x = _mm_insert_epi32(x, n > 2 ? static_cast<int>(header(b + 2 * stride)) : 0, 2);
-    return _mm_insert_epi32(x, n > 3 ? static_cast<int>(header(b + 3 * stride)) : 0, 3);
-  }
   static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    __m512i dw = _mm512_castsi128_si512(headers4(b, stride, n));
-    if (n > 4) dw = _mm512_inserti32x4(dw, headers4(b + 4 * stride, stride, n - 4), 1);
-    if (n > 8) dw = _mm512_inserti32x4(dw, headers4(b + 8 * stride, stride, n - 8), 2);
-    if (n > 12) dw = _mm512_inserti32x4(dw, headers4(b + 12 * stride, stride, n - 12), 3);
-    s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
-    m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+    q4_scale_min16(b, stride, n, s, m);
   }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };

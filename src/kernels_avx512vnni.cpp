@@ -48,29 +48,7 @@ inline __mmask16 first(unsigned n) { return n >= 16 ? __mmask16(0xFFFF) : __mmas
 // Lanes of 16-lane vector r below n.
 inline unsigned lanes(unsigned n, unsigned r) { return n <= 16 * r ? 0u : (n - 16 * r < 16 ? n - 16 * r : 16u); }
 
-// The scale/min words of the n (<= 16) blocks b[j * stride] (0 beyond n). Sixteen scalar loads
-// and inserts: vpgatherdd is microcoded and several times slower on AMD Zen 4/5.
-inline std::uint32_t header(const q4_block* b) {
-  std::uint32_t x;
-  __builtin_memcpy(&x, b, sizeof x);
-  return x;
-}
-inline __m128i headers4(const q4_block* b, std::size_t stride, unsigned n) {
-  __m128i x = _mm_cvtsi32_si128(n > 0 ? static_cast<int>(header(b)) : 0);
-  x = _mm_insert_epi32(x, n > 1 ? static_cast<int>(header(b + stride)) : 0, 1);
-  x = _mm_insert_epi32(x, n > 2 ? static_cast<int>(header(b + 2 * stride)) : 0, 2);
-  return _mm_insert_epi32(x, n > 3 ? static_cast<int>(header(b + 3 * stride)) : 0, 3);
-}
-
-// Scales and minimums of the n (<= 16) blocks b[j * stride], as floats (0 beyond n).
-inline void scale_min(const q4_block* b, std::size_t stride, unsigned n, __m512& s, __m512& m) {
-  __m512i sm = _mm512_castsi128_si512(headers4(b, stride, n));
-  if (n > 4) sm = _mm512_inserti32x4(sm, headers4(b + 4 * stride, stride, n - 4), 1);
-  if (n > 8) sm = _mm512_inserti32x4(sm, headers4(b + 8 * stride, stride, n - 8), 2);
-  if (n > 12) sm = _mm512_inserti32x4(sm, headers4(b + 12 * stride, stride, n - 12), 3);
-  s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));                         // scale: low half
-  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));  // min: high half
-}
+#include "q4_headers.inl"
 
 // vpermt2b indices that bring the header words of 16 consecutive blocks (byte 20 j of a 320-byte
 // run) to dword j, from bytes [0, 128), [128, 256) and [256, 320) of the run.
@@ -86,7 +64,7 @@ constexpr byte_index make_headers(int base) {
 constexpr byte_index headers_0 = make_headers(0), headers_128 = make_headers(128), headers_256 = make_headers(256);
 
 // Scales and minimums of 16 consecutive blocks b[0..16) (all present), without a gather.
-inline void scale_min16(const q4_block* b, __m512& s, __m512& m) {
+inline void consecutive_scale_min16(const q4_block* b, __m512& s, __m512& m) {
   const auto* p = reinterpret_cast<const std::uint8_t*>(b);
   const __m512i a = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(headers_0.b), _mm512_loadu_si512(p + 64));
   const __m512i c = _mm512_permutex2var_epi8(_mm512_loadu_si512(p + 128), _mm512_load_si512(headers_128.b),
@@ -180,8 +158,8 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   for (unsigned c = 0; c < hd; c += 16) {
     const unsigned n = hd - c < 16 ? hd - c : 16;
     __m512 s, m;
-    if (n == 16) scale_min16(k + c, s, m);
-    else scale_min(k + c, 1, n, s, m);
+    if (n == 16) consecutive_scale_min16(k + c, s, m);
+    else q4_scale_min16(k + c, 1, n, s, m);
     if (cached) _mm512_store_ps(scales + c, s);
     for (unsigned i = 0; i < NQ; ++i) {
       const __m512 qv = _mm512_maskz_loadu_ps(first(n), q + i * hd + c);
@@ -208,7 +186,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       const unsigned n = nd - j < 16 ? nd - j : 16;
       __m512 s, m;
       if (cached) s = _mm512_load_ps(scales + c0 + j);
-      else scale_min(k + c0 + j, 1, n, s, m);
+      else q4_scale_min16(k + c0 + j, 1, n, s, m);
       for (unsigned i = 0; i < NQ; ++i) {
         const __m512 qv = _mm512_maskz_loadu_ps(first(n), q + i * hd + c0 + j);
         split(_mm512_mul_ps(_mm512_mul_ps(qv, s), _mm512_set1_ps(inv[i])), qh[i] + j, ql[i] + j);

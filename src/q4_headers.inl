@@ -1,0 +1,31 @@
+// Reading the header words (scale | min << 16) of Q4 blocks into vectors, shared by the x86 ISA
+// files: included inside each one's anonymous namespace, so every copy is compiled with that
+// file's flags and stays internal to it (see kernels_internal.hpp). Scalar loads and inserts
+// rather than vpgatherdd, which is microcoded and several times slower on AMD Zen 4/5 (and no
+// faster on Intel for so few elements).
+
+inline std::uint32_t q4_header(const q4_block* b) {
+  std::uint32_t x;
+  __builtin_memcpy(&x, b, sizeof x);
+  return x;
+}
+
+// The header words of the n (any; 4 used) blocks b[j * stride], j < 4, 0 beyond n.
+inline __m128i q4_headers4(const q4_block* b, std::size_t stride, unsigned n) {
+  __m128i x = _mm_cvtsi32_si128(n > 0 ? static_cast<int>(q4_header(b)) : 0);
+  x = _mm_insert_epi32(x, n > 1 ? static_cast<int>(q4_header(b + stride)) : 0, 1);
+  x = _mm_insert_epi32(x, n > 2 ? static_cast<int>(q4_header(b + 2 * stride)) : 0, 2);
+  return _mm_insert_epi32(x, n > 3 ? static_cast<int>(q4_header(b + 3 * stride)) : 0, 3);
+}
+
+#if defined(__AVX512F__)
+// Scales and minimums of the n (<= 16) blocks b[j * stride], as floats (0 beyond n).
+inline void q4_scale_min16(const q4_block* b, std::size_t stride, unsigned n, __m512& s, __m512& m) {
+  __m512i dw = _mm512_castsi128_si512(q4_headers4(b, stride, n));
+  if (n > 4) dw = _mm512_inserti32x4(dw, q4_headers4(b + 4 * stride, stride, n - 4), 1);
+  if (n > 8) dw = _mm512_inserti32x4(dw, q4_headers4(b + 8 * stride, stride, n - 8), 2);
+  if (n > 12) dw = _mm512_inserti32x4(dw, q4_headers4(b + 12 * stride, stride, n - 12), 3);
+  s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));                         // scale: low half
+  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));  // min: high half
+}
+#endif
