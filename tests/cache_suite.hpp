@@ -55,6 +55,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -88,8 +89,13 @@ inline std::vector<kvcache::geometry> suite_geometries() {
 struct random_source {
   std::uint32_t seed;
   std::mt19937 gen;
-  random_source() : seed(std::random_device{}()), gen(seed) {}
-  std::string trace() const { return "random seed " + std::to_string(seed); }
+  /// A fresh seed each run, or KVCACHE_TEST_SEED's (to replay a failure: the trace prints it).
+  random_source() : seed(initial_seed()), gen(seed) {}
+  std::string trace() const { return "random seed " + std::to_string(seed) + " (KVCACHE_TEST_SEED=" + std::to_string(seed) + ")"; }
+  static std::uint32_t initial_seed() {
+    if (const char* s = std::getenv("KVCACHE_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+    return std::random_device{}();
+  }
 
   /// n values uniform in [-1, 1].
   std::vector<float> values(std::size_t n) {

@@ -690,7 +690,6 @@ TEST(two_tier, streaming_drops_oldest_groups_and_keeps_sinks) {
   cfg.max_tokens = 300;
   cache_t c = make(cfg);
   auto m = kvcache_test::create_seq(c);  // the model keeps every token ever written
-  std::size_t slabs_at_warm = 0;
   for (int step = 0; step < 400; ++step) {
     grow(c, m, rnd.between(0, 5) == 0 ? rnd.between(2, 40) : 1, rnd);
     const std::size_t total = m.length(g);
@@ -703,10 +702,12 @@ TEST(two_tier, streaming_drops_oldest_groups_and_keeps_sinks) {
     if (total > 300) {
       ASSERT_GT(len, 300u - 64u) << "drops only what the step needs, in whole groups";
     }
-    if (step == 200) slabs_at_warm = inf.store_slabs;
-    if (step > 200) {
-      ASSERT_EQ(inf.store_slabs, slabs_at_warm) << "the store stops growing";
-    }
+    // The store stays bounded. Not "stops growing after warm-up": a reservation's groups migrate
+    // into fresh slots before the commit frees the dropped ones, so a large step can need a slot
+    // (here a slab of 2) more than any step before it (seed 1523432745 grows a 5th slab at step
+    // > 200). Bound: the groups of max_tokens, of the largest step (40 tokens) and one partial.
+    const std::size_t max_groups = (300 + 31) / 32 + (40 + 31) / 32 + 1;
+    ASSERT_LE(inf.store_slabs, (max_groups + 1) / 2) << "the store stays bounded";
     if (step % 50 != 49 && step != 399) continue;
     // Held tokens: the sink groups (stream tokens 0..63) then the most recent ones.
     const std::size_t sink_end = total > 300 ? 64 : len;
@@ -723,7 +724,10 @@ TEST(two_tier, streaming_drops_oldest_groups_and_keeps_sinks) {
       }
     }
   }
-  EXPECT_GT(c.stats().dropped_tokens, 1000u);
+  // Everything written past what the cache holds was dropped (the run writes ~1700 tokens; the
+  // exact count depends on the seed, so compare with the model rather than a constant).
+  EXPECT_EQ(c.stats().dropped_tokens, m.length(g) - c.length(m.id).value());
+  EXPECT_GT(m.length(g), 600u);  // 400 steps of at least one token, a sixth of them 2..40
   // More than streaming can ever hold, or more than it can drop at once, fails unchanged.
   const std::vector<seq_id> ids{m.id};
   const full_state before = state_of(c, ids);
