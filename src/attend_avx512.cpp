@@ -1,4 +1,4 @@
-// attend() pieces compiled with AVX-512 flags: the online-softmax step (attend_softmax.inl) and
+// attend() pieces compiled with AVX-512 flags: the online-softmax step (attend_softmax_simd.inl) and
 // the weighted sum of dense values over the several chunks of a tile with the accumulators held
 // in registers (paged blocks are small: per-chunk calls would reload them every 16 tokens).
 #include "attend_internal.hpp"
@@ -21,54 +21,28 @@ namespace generic {
 
 namespace {
 
-// 2^x for x <= 0, 16 lanes: the polynomial of attend_softmax.inl, with x rounded to the nearest
-// integer i and 2^i applied by scalef. Lanes below -125 (and NaN) give 2^-125.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-  const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, i), _mm512_set1_ps(0.69314718f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, i);
-}
-
-inline __mmask16 first(std::uint32_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+// The vector interface of attend_softmax_simd.inl: 16 float lanes.
+struct S {
+  using vf = __m512;
+  static constexpr std::uint32_t W = 16;
+  static vf set1(float x) { return _mm512_set1_ps(x); }
+  static vf zero() { return _mm512_setzero_ps(); }
+  static vf load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
+  static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static vf pow2(vf p, vf i) { return _mm512_scalef_ps(p, i); }
+  static float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+  static float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+};
 
 }  // namespace
 
-void softmax_tile(float* s, std::uint32_t tile, std::uint32_t n, std::uint32_t group, std::uint32_t head_dim,
-                  float* run_max, float* run_sum, float* acc) {
-  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
-  for (std::uint32_t i = 0; i < group; ++i) {
-    float* row = s + static_cast<std::size_t>(i) * tile;
-    __m512 mx = neg_inf;
-    for (std::uint32_t t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, first(n - t), row + t));
-    const float tile_max = _mm512_reduce_max_ps(mx);
-    const float m_new = tile_max > run_max[i] ? tile_max : run_max[i];
-    const __m512 m = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (std::uint32_t t = 0; t < n; t += 16) {
-      const __mmask16 k = first(n - t);
-      const __m512 w = exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), m));
-      _mm512_mask_storeu_ps(row + t, k, w);
-      sum = _mm512_mask_add_ps(sum, k, sum, w);
-    }
-    if (m_new != run_max[i]) {
-      // First tile: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
-      const float corr = run_max[i] < -3.0e38f ? 0.0f : generic::exp2_nonpositive(run_max[i] - m_new);
-      float* a = acc + static_cast<std::size_t>(i) * head_dim;
-      for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
-      run_sum[i] *= corr;
-      run_max[i] = m_new;
-    }
-    run_sum[i] += _mm512_reduce_add_ps(sum);
-  }
-}
+#include "attend_softmax_simd.inl"
 
 namespace {
 

@@ -1,0 +1,60 @@
+// The online-softmax step of attend() written once against a small vector interface `S` that
+// attend_avx2.cpp and attend_avx512.cpp define just before including this file inside their own
+// namespace (after attend_softmax.inl in namespace `generic`, whose scalar exp2 serves the tails).
+// S: vf, W (lanes), set1 zero load store add sub mul max fmadd, round (to nearest integer),
+// pow2(p, i) = p * 2^i for integral i, hmax, hsum.
+
+namespace {
+
+// 2^x for x <= 0, W lanes: the polynomial of attend_softmax.inl, x rounded to the nearest integer
+// i, 2^i applied by S::pow2. Lanes below -125 (and NaN: max returns its second operand) give
+// 2^-125.
+inline S::vf exp2_nonpositive(S::vf x) {
+  x = S::max(x, S::set1(-125.0f));
+  const S::vf i = S::round(x);
+  const S::vf f = S::mul(S::sub(x, i), S::set1(0.69314718f));
+  S::vf p = S::set1(1.0f / 720.0f);
+  p = S::fmadd(p, f, S::set1(1.0f / 120.0f));
+  p = S::fmadd(p, f, S::set1(1.0f / 24.0f));
+  p = S::fmadd(p, f, S::set1(1.0f / 6.0f));
+  p = S::fmadd(p, f, S::set1(0.5f));
+  p = S::fmadd(p, f, S::set1(1.0f));
+  p = S::fmadd(p, f, S::set1(1.0f));
+  return S::pow2(p, i);
+}
+
+}  // namespace
+
+void softmax_tile(float* s, std::uint32_t tile, std::uint32_t n, std::uint32_t group, std::uint32_t head_dim,
+                  float* run_max, float* run_sum, float* acc) {
+  const std::uint32_t nv = n / S::W * S::W;  // lanes in whole vectors; the rest is scalar
+  for (std::uint32_t i = 0; i < group; ++i) {
+    float* row = s + static_cast<std::size_t>(i) * tile;
+    S::vf mx = S::set1(-__builtin_inff());
+    for (std::uint32_t t = 0; t < nv; t += S::W) mx = S::max(mx, S::load(row + t));
+    float tile_max = S::hmax(mx);
+    for (std::uint32_t t = nv; t < n; ++t) tile_max = row[t] > tile_max ? row[t] : tile_max;
+    const float m_new = tile_max > run_max[i] ? tile_max : run_max[i];
+    const S::vf m = S::set1(m_new);
+    S::vf sum = S::zero();
+    for (std::uint32_t t = 0; t < nv; t += S::W) {
+      const S::vf w = exp2_nonpositive(S::sub(S::load(row + t), m));
+      S::store(row + t, w);
+      sum = S::add(sum, w);
+    }
+    float total = S::hsum(sum);
+    for (std::uint32_t t = nv; t < n; ++t) {
+      row[t] = generic::exp2_nonpositive(row[t] - m_new);
+      total += row[t];
+    }
+    if (m_new != run_max[i]) {
+      // First tile: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
+      const float corr = run_max[i] < -3.0e38f ? 0.0f : generic::exp2_nonpositive(run_max[i] - m_new);
+      float* a = acc + static_cast<std::size_t>(i) * head_dim;
+      for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
+      run_sum[i] *= corr;
+      run_max[i] = m_new;
+    }
+    run_sum[i] += total;
+  }
+}
