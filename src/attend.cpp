@@ -143,15 +143,14 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 }
 
 // Small chunks (paged blocks, Q4 groups) lie scattered over the pool, where the hardware
-// prefetchers lose the stream: each head's part of the chunk some prefetch_tokens ahead is
-// prefetched in software, one head at a time between the score calls, so that the requests are
-// spread out. Large chunks (a contiguous cache) are streamed better by the hardware alone.
+// prefetchers lose the stream at every chunk (and every 4 KiB page): the chunk some
+// prefetch_tokens ahead is prefetched in software. Its lines are spread evenly over the kernel
+// calls of the current chunk rather than issued at once: a burst of a whole chunk (640 lines for
+// a Q4 group of 8 heads x 128) overflows the core's miss buffers, the prefetches past them are
+// dropped, and that measured no faster than no prefetch at all. Large chunks (a contiguous
+// cache) are streamed well by the hardware alone.
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
-
-void prefetch_bytes(const std::byte* p, std::size_t bytes) {
-  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
-}
 
 // The chunk to prefetch when chunk ci starts, or nullptr.
 const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t hd) {
@@ -160,6 +159,52 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
   const chunk& a = view.chunks[ci + d];
   return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
 }
+
+// The lines of one chunk's heads [ha, hb), keys then values, issued a few per pump() call.
+class prefetch_stream {
+ public:
+  // Queues chunk a (what is left of the previous one is issued now), to be spread over `calls`
+  // pump() calls with a quarter to spare.
+  void start(const chunk& a, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd, std::uint32_t calls) {
+    while (a_ != nullptr) pump_lines(~std::size_t{0});
+    a_ = &a;
+    ha_ = h_ = ha;
+    hb_ = hb;
+    values_ = false;
+    off_ = 0;
+    k_bytes_ = key_head_bytes(a, hd);
+    v_bytes_ = value_head_bytes(a, hd);
+    const std::size_t lines = (hb - ha) * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
+    per_call_ = (lines * 5 / 4 + calls - 1) / std::max<std::uint32_t>(calls, 1);
+  }
+  void pump() {
+    if (a_ != nullptr) pump_lines(per_call_);
+  }
+
+ private:
+  void pump_lines(std::size_t n) {
+    while (n > 0) {
+      const std::byte* p = values_ ? a_->v_head(h_) : a_->k_head(h_);
+      const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
+      for (; n > 0 && off_ < bytes; --n, off_ += 64) __builtin_prefetch(p + off_, 0, 3);
+      if (off_ < bytes) return;
+      off_ = 0;
+      if (++h_ == hb_) {
+        h_ = ha_;
+        if (values_) {
+          a_ = nullptr;
+          return;
+        }
+        values_ = true;
+      }
+    }
+  }
+
+  const chunk* a_ = nullptr;
+  std::uint32_t ha_ = 0, hb_ = 0, h_ = 0;
+  bool values_ = false;
+  std::size_t off_ = 0, k_bytes_ = 0, v_bytes_ = 0, per_call_ = 0;
+};
 
 // Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile).
 void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n,
@@ -254,6 +299,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
   }
 
+  prefetch_stream pf;
   // Cursor: chunk ci, token offset off.
   std::uint32_t ci = 0, off = 0;
   while (ci < view.count) {
@@ -265,13 +311,15 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
-      const chunk* ahead = off == 0 ? chunk_ahead(view, ci, hd) : nullptr;
+      if (off == 0) {
+        // Kernel calls per chunk: one score call per head, and one accumulate call per head per
+        // tile.
+        const chunk* ahead = chunk_ahead(view, ci, hd);
+        if (ahead != nullptr) pf.start(*ahead, ha, hb, hd, (hb - ha) + (hb - ha) * ch.tokens / tile);
+      }
       for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
-        if (ahead != nullptr) {
-          prefetch_bytes(ahead->k_head(h), key_head_bytes(*ahead, hd));
-          prefetch_bytes(ahead->v_head(h), value_head_bytes(*ahead, hd));
-        }
+        pf.pump();
         score_chunk(c, ch, h, off, n, hs.qf, hs.s + filled);
       }
       filled += n;
@@ -285,6 +333,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     while (view.chunks[first].tokens == 0) ++first;
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
+      pf.pump();
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
       accumulate_tile(c, view, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker);
     }
