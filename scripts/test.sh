@@ -25,6 +25,8 @@ jobs="${KVCACHE_JOBS:-2}"
 export CMAKE_BUILD_PARALLEL_LEVEL="$jobs"
 export CTEST_PARALLEL_LEVEL="$jobs"
 export CTEST_OUTPUT_ON_FAILURE=1
+# The end-to-end tests on ../shared/data must run here, not skip (tests/shared_model.hpp).
+export KVCACHE_REQUIRE_MODEL="${KVCACHE_REQUIRE_MODEL:-1}"
 
 for s in $stages; do
   case "$s" in

@@ -3,6 +3,7 @@
 // two-tier cache, the KL divergence of next-token distributions against an f32 cache and the
 // greedy agreement, reported and bounded. Also: the loader's errors on bad files.
 #include "../examples/llama2c_decode.hpp"
+#include "shared_model.hpp"
 
 #include <kvcache/contiguous_cache.hpp>
 #include <kvcache/paged_cache.hpp>
@@ -20,7 +21,7 @@ namespace {
 
 using kvcache::format;
 
-const std::string model_path = std::string(KVCACHE_SHARED_DIR) + "/data/stories260K.bin";
+const std::string& model_path = kvcache::test::shared_model_path();
 
 const llama2c::model& stories() {
   static const llama2c::model m = [] {
@@ -42,6 +43,7 @@ std::vector<std::byte> file_bytes() {
 }
 
 TEST(llama2c_loader, reads_the_header) {
+  KVCACHE_NEED_MODEL();
   const llama2c::config& c = stories().cfg;
   EXPECT_EQ(c.dim, 64u);
   EXPECT_EQ(c.hidden_dim, 172u);
@@ -54,6 +56,7 @@ TEST(llama2c_loader, reads_the_header) {
 }
 
 TEST(llama2c_loader, bad_files_get_errors) {
+  KVCACHE_NEED_MODEL();
   const std::vector<std::byte> good = file_bytes();
   ASSERT_EQ(good.size(), 1056540u);
   auto expect_bad = [](std::span<const std::byte> b, const char* needle) {
@@ -107,6 +110,7 @@ kvcache::paged_cache<> make_paged(format f, std::uint32_t block) {
 // Greedy decoding over 512 steps: a cache changes only the float summation order of attention,
 // so the tokens must equal those of a forward without a cache holding K/V in the same format.
 TEST(llama2c_decode, contiguous_and_paged_greedy_tokens_equal_the_reference) {
+  KVCACHE_NEED_MODEL();
   for (format f : {format::f32, format::f16}) {
     const llama2c::decode_result ref = llama2c::decode_reference(stories(), steps, {}, f == format::f16);
     ASSERT_EQ(ref.tokens.size(), steps);
@@ -152,6 +156,7 @@ agreement compare(const llama2c::decode_result& base, const llama2c::decode_resu
 // Two-tier: teacher-forced with the f32 cache's greedy tokens so both see the same context at
 // every step; then the next-token distributions are compared.
 TEST(llama2c_decode, two_tier_kl_divergence_and_greedy_agreement_against_f32) {
+  KVCACHE_NEED_MODEL();
   auto base_cache = kvcache::contiguous_cache<>::create({shape(), format::f32, 1, steps}).value();
   const llama2c::decode_result base = decode(base_cache, format::f32);
   ASSERT_EQ(base.tokens.size(), steps);

@@ -15,6 +15,7 @@
 #include <kvcache/two_tier_cache.hpp>
 
 #include "../examples/llama2c_model.hpp"
+#include "shared_model.hpp"
 
 #include <gtest/gtest.h>
 
@@ -328,7 +329,8 @@ TEST(two_tier_accuracy, synthetic_outlier_keys) {
 // ---- (b) real activations of stories260K ------------------------------------------------------
 
 TEST(two_tier_accuracy, stories260k_activations) {
-  const std::string path = std::string(KVCACHE_SHARED_DIR) + "/data/stories260K.bin";
+  KVCACHE_NEED_MODEL();
+  const std::string& path = kvcache::test::shared_model_path();
   auto loaded = llama2c::load(path);
   ASSERT_TRUE(loaded.has_value()) << loaded.error().message;
   const llama2c::model& model = loaded.value();

@@ -52,7 +52,7 @@ struct paged_config {
   /// on demand). A sequence that stays within it allocates nothing after create().
   std::size_t expected_tokens = 0;
   /// A pool shared with other caches (nullptr: the cache creates its own from the fields above).
-  std::shared_ptr<block_pool<P>> pool;
+  std::shared_ptr<block_pool<P>> pool{};
 };
 
 /// Statistics of a paged cache. Block counts are pool-wide (shared by every cache of the pool).
