@@ -151,6 +151,9 @@ const table* find(isa i) noexcept { return table_of(i); }
 const table* find(isa i, q4_arith a) noexcept {
   const table* t = table_of(i);
   if (t == nullptr || t->q4 == a) return t;
+#if defined(KVCACHE_HAVE_AVX2)
+  if (i == isa::avx2 && a == q4_arith::float32) return &avx2::float_q4();
+#endif
 #if defined(KVCACHE_HAVE_AVX512)
   if (i == isa::avx512 && a == q4_arith::float32) return &avx512::float_q4();
 #endif

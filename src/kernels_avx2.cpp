@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include <cpuid.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -21,6 +23,12 @@ namespace {
 alignas(64) const std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 #include "q4_headers.inl"
+
+// CPUID.(EAX=7,ECX=1):EAX[4], AVX-VNNI (the OS saving the YMM state is checked with AVX2 itself).
+bool has_avx_vnni() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 4)) != 0;
+}
 
 // The vector interface kernels_simd.inl is written against: 8 float lanes, 16 registers.
 struct V {
@@ -126,13 +134,7 @@ struct V {
   }
   // Scale and min of n blocks b[j * stride] (q4_headers.inl).
   static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    const __m128i lo = q4_headers4(b, stride, n);
-    const __m128i hi = n > 4 ? q4_headers4(b + 4 * stride, stride, n - 4) : _mm_setzero_si128();
-    const __m256i dw = _mm256_set_m128i(hi, lo);
-    const __m256i sm = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(_mm256_and_si256(dw, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dw, 16)), 0xD8);
-    s = _mm256_cvtph_ps(_mm256_castsi256_si128(sm));
-    m = _mm256_cvtph_ps(_mm256_extracti128_si256(sm, 1));
+    q4_scale_min8(b, stride, n, s, m);
   }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };
@@ -141,6 +143,18 @@ struct V {
 
 }  // namespace
 
-const table& get() noexcept { return simd_table; }
+const table& float_q4() noexcept { return simd_table; }
+
+const table& get() noexcept {
+  static const table t = [] {
+    table x = simd_table;
+    if (has_avx_vnni()) {
+      x.scores_q4 = avx2vnni::scores_q4;
+      x.q4 = q4_arith::int8;
+    }
+    return x;
+  }();
+  return t;
+}
 
 }  // namespace kvcache::kernels::avx2

@@ -23,7 +23,16 @@ namespace kvcache::kernels {
 
 namespace scalar { const table& get() noexcept; }
 #if defined(KVCACHE_HAVE_AVX2)
-namespace avx2 { const table& get() noexcept; }
+namespace avx2 {
+/// The AVX2 table: with the int8 Q4 key scores of kernels_avx2vnni.cpp when the CPU has AVX-VNNI.
+/// float_q4: always the float Q4 kernels.
+const table& get() noexcept;
+const table& float_q4() noexcept;
+}  // namespace avx2
+namespace avx2vnni {
+void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
+               float* out, std::size_t out_stride);
+}  // namespace avx2vnni
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
 namespace avx512 {

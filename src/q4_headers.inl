@@ -18,6 +18,19 @@ inline __m128i q4_headers4(const q4_block* b, std::size_t stride, unsigned n) {
   return _mm_insert_epi32(x, n > 3 ? static_cast<int>(q4_header(b + 3 * stride)) : 0, 3);
 }
 
+#if defined(__AVX2__)
+// Scales and minimums of the n (<= 8) blocks b[j * stride], as floats (0 beyond n).
+inline void q4_scale_min8(const q4_block* b, std::size_t stride, unsigned n, __m256& s, __m256& m) {
+  const __m128i lo = q4_headers4(b, stride, n);
+  const __m128i hi = n > 4 ? q4_headers4(b + 4 * stride, stride, n - 4) : _mm_setzero_si128();
+  const __m256i dw = _mm256_set_m128i(hi, lo);
+  const __m256i sm = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_and_si256(dw, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(dw, 16)), 0xD8);
+  s = _mm256_cvtph_ps(_mm256_castsi256_si128(sm));
+  m = _mm256_cvtph_ps(_mm256_extracti128_si256(sm, 1));
+}
+#endif
+
 #if defined(__AVX512F__)
 // Scales and minimums of the n (<= 16) blocks b[j * stride], as floats (0 beyond n).
 inline void q4_scale_min16(const q4_block* b, std::size_t stride, unsigned n, __m512& s, __m512& m) {

@@ -373,7 +373,7 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
 // the same sums: same bound. 2e-5 leaves a margin of ~5x over the worst seen across ISAs.
 constexpr double arithmetic_tol = 2e-5;
 
-// The int8 Q4 key scores (kernels::q4_arith::int8, AVX-512 VNNI) carry the folded query with 15
+// The int8 Q4 key scores (kernels::q4_arith::int8: AVX-512 VNNI, AVX-VNNI) carry the folded query with 15
 // bits (max|x| / (127 * 508) per element): a score moves by at most max_d|q_d s_d| * sum_d code_d
 // / 64516, ~1e-3 of the score's scale at head_dim 128, and the softmax weights by as much
 // relative. Worst seen 4.7e-5 of max|V|; 2e-4 keeps a ~4x margin.

@@ -237,7 +237,7 @@ TEST(decode_loop_model, two_tier_attention_matches_recomputation_over_q4_groups)
   auto cache = kvcache::two_tier_cache<>::create(tc).value();
   check_totals t;
   (void)run_model(cache, format::f16, holding::two_tier, steps, t);
-  // The int8 Q4 key scores (AVX-512 VNNI) carry the folded query with 15 bits: ~1e-3 of a
+  // The int8 Q4 key scores (AVX-512 VNNI, AVX-VNNI) carry the folded query with 15 bits: ~1e-3 of a
   // score's scale (see test_attend's int8_tol).
   const bool int8 = kvcache::kernels::active().q4 == kvcache::kernels::q4_arith::int8;
   EXPECT_LE(t.worst_vs_stored, int8 ? 2e-4 : stored_tol);

@@ -19,7 +19,7 @@ enum class q4_arith : std::uint8_t {
   float32,
   /// Integer dot products of the codes with the folded query q_d * scale_d split per query as
   /// scale * (hi + lo / 254), hi and lo int8: at most max_d |q_d scale_d| / (2 * 127 * 254) of
-  /// error per channel, times its code. AVX-512 with VNNI and VBMI.
+  /// error per channel, times its code. AVX-512 with VNNI and VBMI; AVX2 with AVX-VNNI.
   int8,
 };
 
