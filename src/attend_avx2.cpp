@@ -15,6 +15,8 @@ namespace generic {
 
 namespace {
 
+#include "avx2_horizontal.inl"
+
 // The vector interface of attend_softmax_simd.inl: 8 float lanes.
 struct S {
   using vf = __m256;
@@ -34,18 +36,8 @@ struct S {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
-  static float hmax(vf v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-  }
-  static float hsum(vf v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-  }
+  static float hmax(vf v) { return hmax8(v); }
+  static float hsum(vf v) { return hsum8(v); }
 };
 
 }  // namespace

@@ -22,6 +22,7 @@ namespace {
 // Lane masks for maskload/maskstore: tail_mask + 8 - n selects the first n of 8 lanes.
 alignas(64) const std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
+#include "avx2_horizontal.inl"
 #include "q4_headers.inl"
 
 // CPUID.(EAX=7,ECX=1):EAX[4], AVX-VNNI (the OS saving the YMM state is checked with AVX2 itself).
@@ -72,12 +73,7 @@ struct V {
   static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
   static vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
   static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
-  static float hsum(vf x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float hsum(vf x) { return hsum8(x); }
   // Transposing reduction tree: (permute, permute, op) then two levels of (shuffle, shuffle, op).
   // Lane 4h + l of the result combines input 2l + h, so inputs are fed in that order to get
   // lane j = op over v[j].

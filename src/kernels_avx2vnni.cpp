@@ -26,9 +26,9 @@
 namespace kvcache::kernels::avx2vnni {
 namespace {
 
-constexpr float lo_scale = 254.0f;  // lo carries (x / scale - hi) * 254
-
+#include "avx2_horizontal.inl"
 #include "q4_headers.inl"
+#include "q4_int8.inl"
 
 alignas(16) constexpr std::uint8_t zero_codes[16] = {};
 
@@ -95,19 +95,6 @@ inline __m256i dword_of(const std::int8_t* p) {
   return _mm256_set1_epi32(x);
 }
 
-inline float hmax(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
 constexpr unsigned key_chunk = 256;        // channels transposed, folded and split per pass
 constexpr unsigned cached_channels = 256;  // key scales kept from pass 1 up to this head_dim
 
@@ -130,13 +117,8 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       mterm[i] = _mm256_fmadd_ps(qv, m, mterm[i]);
     }
   }
-  float scale[NQ], inv[NQ], mc[NQ];
-  for (unsigned i = 0; i < NQ; ++i) {
-    const float mx = hmax(qmax[i]);
-    scale[i] = mx / 127.0f;
-    inv[i] = mx > 0.0f ? 127.0f / mx : 0.0f;
-    mc[i] = hsum(mterm[i]);
-  }
+  query_split qs[NQ];
+  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(hmax8(qmax[i]), hsum8(mterm[i]));
 
   // Pass 2, per chunk of channels: transpose its codes, fold and split the queries over it, then
   // each query's integer dot products (hi and lo parts, four 8-token vectors each).
@@ -169,7 +151,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
         __m256 y[4];
         for (unsigned r = 0; r < 4; ++r) {
           const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
-          y[r] = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(inv[i]));
+          y[r] = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));
         }
         split32(y, qh[i] + j, ql[i] + j);
       }
@@ -202,7 +184,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
     for (unsigned r = 0; r < 4; ++r) {
       const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1][r]), _mm256_set1_ps(1.0f / lo_scale),
                                        _mm256_cvtepi32_ps(acc[i][0][r]));
-      v[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(scale[i]), _mm256_set1_ps(mc[i]));
+      v[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(qs[i].scale), _mm256_set1_ps(qs[i].mc));
     }
     const __m256 o[4] = {_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x20),
                          _mm256_permute2f128_ps(v[0], v[1], 0x31), _mm256_permute2f128_ps(v[2], v[3], 0x31)};
@@ -220,16 +202,9 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride) {
   if (tokens == 0) return;
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
-    float* o = out + i0 * out_stride;
-    switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 3: scores_nq<3>(qi, k, tokens, head_dim, o, out_stride); break;
-      default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride); break;
-    }
-  }
+  by_four_queries(nq, [&]<unsigned NQ>(std::uint32_t i0) {
+    scores_nq<NQ>(q + static_cast<std::size_t>(i0) * head_dim, k, tokens, head_dim, out + i0 * out_stride, out_stride);
+  });
 }
 
 }  // namespace kvcache::kernels::avx2vnni

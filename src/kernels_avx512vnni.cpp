@@ -27,7 +27,7 @@
 namespace kvcache::kernels::avx512vnni {
 namespace {
 
-constexpr float lo_scale = 254.0f;  // lo carries (x / scale - hi) * 254
+#include "q4_int8.inl"
 
 // vpermb index that turns four 16-byte rows (one per 128-bit lane) into 16 dwords, dword t holding
 // byte t of each row: rows are channels (keys) or tokens (values).
@@ -167,13 +167,8 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       mterm[i] = _mm512_fmadd_ps(qv, m, mterm[i]);
     }
   }
-  float scale[NQ], inv[NQ], mc[NQ];
-  for (unsigned i = 0; i < NQ; ++i) {
-    const float mx = _mm512_reduce_max_ps(qmax[i]);
-    scale[i] = mx / 127.0f;
-    inv[i] = mx > 0.0f ? 127.0f / mx : 0.0f;
-    mc[i] = _mm512_reduce_add_ps(mterm[i]);
-  }
+  query_split qs[NQ];
+  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(_mm512_reduce_max_ps(qmax[i]), _mm512_reduce_add_ps(mterm[i]));
 
   // Pass 2: fold and split a chunk of channels, then the integer dot products over it.
   __m512i ah[NQ][2], al[NQ][2];
@@ -189,7 +184,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       else q4_scale_min16(k + c0 + j, 1, n, s, m);
       for (unsigned i = 0; i < NQ; ++i) {
         const __m512 qv = _mm512_maskz_loadu_ps(first(n), q + i * hd + c0 + j);
-        split(_mm512_mul_ps(_mm512_mul_ps(qv, s), _mm512_set1_ps(inv[i])), qh[i] + j, ql[i] + j);
+        split(_mm512_mul_ps(_mm512_mul_ps(qv, s), _mm512_set1_ps(qs[i].inv)), qh[i] + j, ql[i] + j);
       }
     }
     for (unsigned c = 0; c < nd; c += 4) {
@@ -215,7 +210,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   for (unsigned i = 0; i < NQ; ++i)
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r) {
-      const __m512 v = _mm512_fmadd_ps(combine(ah[i][r], al[i][r]), _mm512_set1_ps(scale[i]), _mm512_set1_ps(mc[i]));
+      const __m512 v = _mm512_fmadd_ps(combine(ah[i][r], al[i][r]), _mm512_set1_ps(qs[i].scale), _mm512_set1_ps(qs[i].mc));
       _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, first(lanes(tokens, r)), v);
     }
 }
@@ -225,16 +220,9 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride) {
   if (tokens == 0) return;
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
-    float* o = out + i0 * out_stride;
-    switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 3: scores_nq<3>(qi, k, tokens, head_dim, o, out_stride); break;
-      default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride); break;
-    }
-  }
+  by_four_queries(nq, [&]<unsigned NQ>(std::uint32_t i0) {
+    scores_nq<NQ>(q + static_cast<std::size_t>(i0) * head_dim, k, tokens, head_dim, out + i0 * out_stride, out_stride);
+  });
 }
 
 }  // namespace kvcache::kernels::avx512vnni

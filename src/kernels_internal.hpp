@@ -22,29 +22,19 @@ namespace kvcache::kernels {
 [[nodiscard]] constexpr float load(half x) noexcept { return to_float(x); }
 
 namespace scalar { const table& get() noexcept; }
+
+// The x86 tables: get() has the int8 Q4 key scores (kernels_avx2vnni.cpp on CPUs with AVX-VNNI,
+// kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI) where the CPU has them, float_q4()
+// always the float Q4 kernels.
+using scores_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+                          std::uint32_t head_dim, float* out, std::size_t out_stride);
 #if defined(KVCACHE_HAVE_AVX2)
-namespace avx2 {
-/// The AVX2 table: with the int8 Q4 key scores of kernels_avx2vnni.cpp when the CPU has AVX-VNNI.
-/// float_q4: always the float Q4 kernels.
-const table& get() noexcept;
-const table& float_q4() noexcept;
-}  // namespace avx2
-namespace avx2vnni {
-void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride);
-}  // namespace avx2vnni
+namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }
+namespace avx2vnni { scores_q4_fn scores_q4; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
-namespace avx512 {
-/// The AVX-512 table: with the int8 Q4 key scores of kernels_avx512vnni.cpp when the CPU has VNNI
-/// and VBMI. float_q4: always the float Q4 kernels.
-const table& get() noexcept;
-const table& float_q4() noexcept;
-}  // namespace avx512
-namespace avx512vnni {
-void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride);
-}  // namespace avx512vnni
+namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; }
+namespace avx512vnni { scores_q4_fn scores_q4; }
 #endif
 #if defined(KVCACHE_HAVE_NEON)
 namespace neon { const table& get() noexcept; }
