@@ -37,6 +37,7 @@ struct S {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
   static float hmax(vf v) { return hmax8(v); }
+  static bool any_greater(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
   static float hsum(vf v) { return hsum8(v); }
 };
 

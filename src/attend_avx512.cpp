@@ -37,6 +37,7 @@ struct S {
   static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static vf pow2(vf p, vf i) { return _mm512_scalef_ps(p, i); }
   static float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+  static bool any_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
   static float hsum(vf x) { return _mm512_reduce_add_ps(x); }
 };
 

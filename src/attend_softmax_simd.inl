@@ -2,7 +2,7 @@
 // attend_avx2.cpp and attend_avx512.cpp define just before including this file inside their own
 // namespace (after attend_softmax.inl in namespace `generic`, whose scalar exp2 serves the tails).
 // S: vf, W (lanes), set1 zero load store add sub mul max fmadd, round (to nearest integer),
-// pow2(p, i) = p * 2^i for integral i, hmax, hsum.
+// pow2(p, i) = p * 2^i for integral i, hmax, hsum, any_greater(a, b) (some lane a > b).
 
 namespace {
 
@@ -32,9 +32,16 @@ void softmax_tile(float* s, std::uint32_t tile, std::uint32_t n, std::uint32_t g
     float* row = s + static_cast<std::size_t>(i) * tile;
     S::vf mx = S::set1(-__builtin_inff());
     for (std::uint32_t t = 0; t < nv; t += S::W) mx = S::max(mx, S::load(row + t));
-    float tile_max = S::hmax(mx);
-    for (std::uint32_t t = nv; t < n; ++t) tile_max = row[t] > tile_max ? row[t] : tile_max;
-    const float m_new = tile_max > run_max[i] ? tile_max : run_max[i];
+    float tail_max = -__builtin_inff();
+    for (std::uint32_t t = nv; t < n; ++t) tail_max = row[t] > tail_max ? row[t] : tail_max;
+    // max(tile max, running max); the horizontal max only where some score passes the running
+    // max, which after the first tiles is rare.
+    float m_new = run_max[i];
+    if (S::any_greater(mx, S::set1(m_new)) || tail_max > m_new) {
+      const float hm = S::hmax(mx);
+      const float tile_max = hm > tail_max ? hm : tail_max;
+      m_new = tile_max > m_new ? tile_max : m_new;
+    }
     const S::vf m = S::set1(m_new);
     S::vf sum = S::zero();
     for (std::uint32_t t = 0; t < nv; t += S::W) {
