@@ -144,10 +144,6 @@ inline __m512 combine(__m512i hi, __m512i lo) {
 
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
-constexpr unsigned key_chunk = 256;  // channels folded and split per pass (all of them, in practice)
-
-constexpr unsigned cached_channels = 256;  // key scales kept from pass 1 up to this head_dim
-
 template <unsigned NQ>
 void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride) {
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
@@ -219,10 +215,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride) {
-  if (tokens == 0) return;
-  by_four_queries(nq, [&]<unsigned NQ>(std::uint32_t i0) {
-    scores_nq<NQ>(q + static_cast<std::size_t>(i0) * head_dim, k, tokens, head_dim, out + i0 * out_stride, out_stride);
-  });
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride);
 }
 
 }  // namespace kvcache::kernels::avx512vnni

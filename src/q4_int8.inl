@@ -8,6 +8,9 @@
 
 constexpr float lo_scale = 254.0f;  // lo carries (x / scale - hi) * 254
 
+constexpr unsigned key_chunk = 256;        // channels transposed, folded and split per pass
+constexpr unsigned cached_channels = 256;  // key scales kept from pass 1 up to this head_dim
+
 struct query_split {
   float scale;  // of the int8 parts
   float inv;    // 1 / scale, 0 when the query folds to all zeros
@@ -18,15 +21,22 @@ inline query_split split_of(float max_abs, float min_term) {
   return {max_abs / 127.0f, max_abs > 0.0f ? 127.0f / max_abs : 0.0f, min_term};
 }
 
-// f.template operator()<NQ>(i0) for the queries [i0, i0 + NQ) of nq, four at a time.
-template <class F>
-void by_four_queries(std::uint32_t nq, F&& f) {
+// Scores of NQ (1..4) queries over one key group: defined by the including file.
+template <unsigned NQ>
+void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride);
+
+// The table entry (kernels::table::scores_q4): the queries four at a time.
+inline void scores_q4_by_four(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+                              std::uint32_t head_dim, float* out, std::size_t out_stride) {
+  if (tokens == 0) return;
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+    float* o = out + i0 * out_stride;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: f.template operator()<1>(i0); break;
-      case 2: f.template operator()<2>(i0); break;
-      case 3: f.template operator()<3>(i0); break;
-      default: f.template operator()<4>(i0); break;
+      case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride); break;
+      case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride); break;
+      case 3: scores_nq<3>(qi, k, tokens, head_dim, o, out_stride); break;
+      default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride); break;
     }
   }
 }
