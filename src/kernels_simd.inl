@@ -270,6 +270,7 @@ void dequantize_values(const q4_block* src, std::uint32_t tokens, std::uint32_t 
 
 // Horizontal sums of J accumulators into r[J], W at a time through V::reduce.
 template <unsigned J>
+[[gnu::always_inline]] inline
 void sums_of(const vf* acc, float* r) {
   if constexpr (J <= 2) {
     for (unsigned j = 0; j < J; ++j) r[j] = V::hsum(acc[j]);
