@@ -1,5 +1,6 @@
 // block_pool<cuda> and paged_cache<cuda>: the host bookkeeping of paged_cache<cpu> (same ledger,
 // same sequence state machine) with device storage, device copies and the append/attend kernels.
+#include "batch.hpp"
 #include "detail.cuh"
 
 #include <kvcache/cuda/paged_cache.hpp>
@@ -388,10 +389,6 @@ struct paged_cache<cuda>::impl {
   }
 };
 
-namespace {
-constexpr const char* stale = "no prepared batch since the last change of this cache (call prepare after reserve)";
-}
-
 result<paged_cache<cuda>> paged_cache<cuda>::create(const paged_config<cuda>& cfg, const cuda& where) {
   std::shared_ptr<pool_type> pool = cfg.pool;
   if (pool) {
@@ -701,18 +698,10 @@ result<void> paged_cache<cuda>::prepare(std::span<const seq_id> batch) {
   impl& m = *impl_;
   if (batch.empty() || batch.size() >= std::numeric_limits<std::uint32_t>::max())
     return fail(errc::invalid_argument, "prepare: batch must hold 1 .. 2^32-2 sequences", {{"batch", static_cast<long long>(batch.size())}});
-  if (m.mark.size() < m.ids.slots()) m.mark.resize(m.ids.slots(), 0);
-  ++m.stamp;
-  m.next_slots.clear();
+  KVCACHE_TRY(detail::select_batch(m, batch));  // m.next_slots; the prepared batch is untouched
   std::size_t entries = 0;
-  for (const seq_id id : batch) {
-    result<std::uint32_t> slot = m.ids.slot(id, "prepare: unknown sequence");
-    KVCACHE_TRY(slot);
-    if (m.mark[slot.value()] == m.stamp)
-      return fail(errc::invalid_argument, "prepare: sequence listed twice", {{"seq", static_cast<long long>(id.value)}});
-    m.mark[slot.value()] = m.stamp;
-    m.next_slots.push_back(slot.value());
-    const impl::sequence& s = m.seqs[slot.value()];
+  for (const std::uint32_t slot : m.next_slots) {
+    const impl::sequence& s = m.seqs[slot];
     entries += m.blocks_for(s.length + s.pending);
   }
   if (entries >= std::numeric_limits<std::uint32_t>::max())
@@ -739,105 +728,28 @@ result<void> paged_cache<cuda>::prepare(std::span<const seq_id> batch) {
       {m.t_last, m.h_last.data(), m.h_last.size() * 4},
       {m.t_src, m.h_src.data(), m.h_src.size() * 4},
   };
-  {
-    KVCACHE_CUDA_DEVICE(m.where, "prepare: cudaSetDevice");
-    const result<void> up = m.uploader.upload(detail::stream_of(m.where), parts, 4);
-    if (!up.has_value()) {
-      m.prepared_epoch = ~0ull;  // device error: the device table's contents are unknown
-      return up;
-    }
-  }
-  std::swap(m.batch_slots, m.next_slots);
-  m.prepared_rows = m.h_src.back();
-  m.prepared_longest = longest;
-  m.prepared_epoch = m.epoch;
-  return {};
+  return detail::publish_batch(m, parts, 4, m.h_src.back(), longest);
 }
 
 result<void> paged_cache<cuda>::write_batch(std::uint32_t layer, const void* k, const void* v, format src) {
   impl& m = *impl_;
-  if (layer >= m.shape().layers)
-    return fail(errc::layer_out_of_range, "write_batch: layer", {{"layer", layer}, {"layers", m.shape().layers}});
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("write_batch: ") + stale);
-  if (src != format::f32 && src != format::f16)
-    return fail(errc::invalid_argument, "write_batch: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
-  if (m.prepared_rows > 0) {
-    if (k == nullptr || v == nullptr)
-      return fail(errc::invalid_argument, "write_batch: null K or V", {{"k_null", k == nullptr}, {"v_null", v == nullptr}});
-    append_params p;
-    p.dst = m.pool->pages(layer);
-    p.table = {m.t_indptr, m.t_indices, m.t_last, static_cast<std::uint32_t>(m.batch_slots.size())};
-    p.k = k;
-    p.v = v;
-    p.src_format = src;
-    p.src_indptr = m.t_src;
-    p.max_rows = m.prepared_rows;
-    p.kv_heads = m.shape().kv_heads;
-    p.head_dim = m.shape().head_dim;
-    KVCACHE_TRY(cuda_append(m.where, p));
-  }
-  for (const std::uint32_t slot : m.batch_slots) {
-    impl::sequence& s = m.seqs[slot];
-    if (s.reserved && !s.written[layer]) {
-      s.written[layer] = 1;
-      ++s.written_count;
-    }
-  }
-  return {};
+  return detail::write_batch_rows(m, layer, [&m](std::uint32_t l) { return m.pool->pages(l); }, k, v, src);
 }
 
-result<void> paged_cache<cuda>::mark_batch_written() {
-  impl& m = *impl_;
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("mark_batch_written: ") + stale);
-  for (const std::uint32_t slot : m.batch_slots) {
-    impl::sequence& s = m.seqs[slot];
-    if (!s.reserved) continue;
-    std::fill(s.written.begin(), s.written.end(), std::uint8_t{1});
-    s.written_count = m.shape().layers;
-  }
-  return {};
-}
+result<void> paged_cache<cuda>::mark_batch_written() { return detail::mark_batch_written(*impl_); }
 
 result<void> paged_cache<cuda>::attend(std::uint32_t layer, const attention_params& ap, const float* q, float* out,
                                        device_buffer& workspace, const cuda_attend_options& opt) {
   impl& m = *impl_;
-  const geometry& g = m.shape();
-  if (layer >= g.layers) return fail(errc::layer_out_of_range, "attend: layer", {{"layer", layer}, {"layers", g.layers}});
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("attend: ") + stale);
-  if (ap.kv_heads != g.kv_heads || ap.head_dim != g.head_dim)
-    return fail(errc::bad_shape, "attend: attention_params do not match the cache geometry",
-                {{"kv_heads", ap.kv_heads}, {"cache_kv_heads", g.kv_heads}, {"head_dim", ap.head_dim}, {"cache_head_dim", g.head_dim}});
-  if (opt.split_tokens == 0 || opt.split_tokens % 32 != 0)
-    return fail(errc::invalid_argument, "attend: split_tokens must be a positive multiple of 32", {{"split_tokens", opt.split_tokens}});
-  const std::size_t cover = std::max<std::size_t>(1, opt.max_tokens != 0 ? opt.max_tokens : m.prepared_longest);
-  if (cover < m.prepared_longest)
-    return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
-                {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
-  const std::size_t splits = (cover + opt.split_tokens - 1) / opt.split_tokens;
-  if (splits > 65535)
-    return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
-                {{"splits", static_cast<long long>(splits)}, {"split_tokens", opt.split_tokens}});
+  const result<std::uint32_t> splits =
+      detail::attend_splits(m, layer, ap, opt, std::max<std::size_t>(1, opt.max_tokens != 0 ? opt.max_tokens : m.prepared_longest));
+  KVCACHE_TRY(splits);
   attend_params p;
   p.pages[0] = m.pool->pages(layer);
-  p.tables[0] = {m.t_indptr, m.t_indices, m.t_last, static_cast<std::uint32_t>(m.batch_slots.size())};
+  p.tables[0] = detail::batch_table(m);
   p.segments = 1;
-  p.batch = static_cast<std::uint32_t>(m.batch_slots.size());
-  p.q_heads = ap.q_heads;
-  p.kv_heads = g.kv_heads;
-  p.head_dim = g.head_dim;
-  p.q = q;
-  p.out = out;
-  p.scale = ap.scale;
-  p.split_tokens = opt.split_tokens;
-  p.max_splits[0] = static_cast<std::uint32_t>(splits);
-  const std::size_t need = cuda_attend_workspace_bytes(p);
-  if (need > 0 && workspace.size() < need) {
-    result<device_buffer> grown = device_buffer::make(m.where, need);
-    KVCACHE_TRY(grown);
-    workspace = std::move(grown).value();
-  }
-  p.workspace = static_cast<float*>(workspace.data());
-  return cuda_attend(m.where, p);
+  p.max_splits[0] = splits.value();
+  return detail::launch_attend(m, p, ap, q, out, workspace, opt);
 }
 
 result<device_pages> paged_cache<cuda>::pages(std::uint32_t layer) const {
@@ -848,8 +760,8 @@ result<device_pages> paged_cache<cuda>::pages(std::uint32_t layer) const {
 
 result<device_table> paged_cache<cuda>::table() const {
   const impl& m = *impl_;
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("table: ") + stale);
-  return device_table{m.t_indptr, m.t_indices, m.t_last, static_cast<std::uint32_t>(m.batch_slots.size())};
+  KVCACHE_TRY(detail::check_fresh(m, "table"));
+  return detail::batch_table(m);
 }
 
 }  // namespace kvcache

@@ -1,5 +1,6 @@
 // two_tier_cache<cuda>: host bookkeeping of the tail pages and store groups, driving the append,
 // migration and attention kernels. See include/kvcache/cuda/two_tier_cache.hpp for the layout.
+#include "batch.hpp"
 #include "detail.cuh"
 
 #include <kvcache/cuda/two_tier_cache.hpp>
@@ -14,7 +15,6 @@ namespace kvcache {
 
 namespace {
 constexpr std::uint32_t G = q4_group;  // tokens per store group and per tail page
-constexpr const char* stale = "no prepared batch since the last change of this cache (call prepare after reserve)";
 std::size_t pages_for(std::size_t tokens) { return (tokens + G - 1) / G; }
 }  // namespace
 
@@ -525,16 +525,7 @@ result<void> two_tier_cache<cuda>::prepare(std::span<const seq_id> batch) {
   if (batch.empty() || batch.size() > m.cfg.max_sequences)
     return fail(errc::invalid_argument, "prepare: batch size must be 1..max_sequences",
                 {{"batch", static_cast<long long>(batch.size())}, {"max_sequences", static_cast<long long>(m.cfg.max_sequences)}});
-  ++m.stamp;
-  m.next_slots.clear();
-  for (const seq_id id : batch) {
-    result<std::uint32_t> slot = m.ids.slot(id, "prepare: unknown sequence");
-    KVCACHE_TRY(slot);
-    if (m.mark[slot.value()] == m.stamp)
-      return fail(errc::invalid_argument, "prepare: sequence listed twice", {{"seq", static_cast<long long>(id.value)}});
-    m.mark[slot.value()] = m.stamp;
-    m.next_slots.push_back(slot.value());
-  }
+  KVCACHE_TRY(detail::select_batch(m, batch));  // m.next_slots; the prepared batch is untouched
   m.hs_indptr.assign(1, 0u);
   m.ht_indptr.assign(1, 0u);
   m.h_src.assign(1, 0u);
@@ -561,108 +552,32 @@ result<void> two_tier_cache<cuda>::prepare(std::span<const seq_id> batch) {
       {m.t_indices, m.ht_indices.data(), m.ht_indices.size() * 4}, {m.t_last, m.ht_last.data(), m.ht_last.size() * 4},
       {m.t_src, m.h_src.data(), m.h_src.size() * 4},
   };
-  {
-    KVCACHE_CUDA_DEVICE(m.where, "prepare: cudaSetDevice");
-    const result<void> up = m.uploader.upload(detail::stream_of(m.where), parts, 7);
-    if (!up.has_value()) {
-      m.prepared_epoch = ~0ull;  // device error: the device tables' contents are unknown
-      return up;
-    }
-  }
-  std::swap(m.batch_slots, m.next_slots);
-  m.prepared_rows = m.h_src.back();
-  m.prepared_longest = longest;
-  m.prepared_epoch = m.epoch;
-  return {};
+  return detail::publish_batch(m, parts, 7, m.h_src.back(), longest);
 }
 
 result<void> two_tier_cache<cuda>::write_batch(std::uint32_t layer, const void* k, const void* v, format src) {
   impl& m = *impl_;
-  if (layer >= m.shape().layers)
-    return fail(errc::layer_out_of_range, "write_batch: layer", {{"layer", layer}, {"layers", m.shape().layers}});
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("write_batch: ") + stale);
-  if (src != format::f32 && src != format::f16)
-    return fail(errc::invalid_argument, "write_batch: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
-  if (m.prepared_rows > 0) {
-    if (k == nullptr || v == nullptr)
-      return fail(errc::invalid_argument, "write_batch: null K or V", {{"k_null", k == nullptr}, {"v_null", v == nullptr}});
-    append_params p;
-    p.dst = m.tail_pages_of(layer);
-    p.table = {m.t_indptr, m.t_indices, m.t_last, static_cast<std::uint32_t>(m.batch_slots.size())};
-    p.k = k;
-    p.v = v;
-    p.src_format = src;
-    p.src_indptr = m.t_src;
-    p.max_rows = m.prepared_rows;
-    p.kv_heads = m.shape().kv_heads;
-    p.head_dim = m.shape().head_dim;
-    KVCACHE_TRY(cuda_append(m.where, p));
-  }
-  for (const std::uint32_t slot : m.batch_slots) {
-    impl::sequence& s = m.seqs[slot];
-    if (s.reserved && !s.written[layer]) {
-      s.written[layer] = 1;
-      ++s.written_count;
-    }
-  }
-  return {};
+  return detail::write_batch_rows(m, layer, [&m](std::uint32_t l) { return m.tail_pages_of(l); }, k, v, src);
 }
 
-result<void> two_tier_cache<cuda>::mark_batch_written() {
-  impl& m = *impl_;
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("mark_batch_written: ") + stale);
-  for (const std::uint32_t slot : m.batch_slots) {
-    impl::sequence& s = m.seqs[slot];
-    if (!s.reserved) continue;
-    std::fill(s.written.begin(), s.written.end(), std::uint8_t{1});
-    s.written_count = m.shape().layers;
-  }
-  return {};
-}
+result<void> two_tier_cache<cuda>::mark_batch_written() { return detail::mark_batch_written(*impl_); }
 
 result<void> two_tier_cache<cuda>::attend(std::uint32_t layer, const attention_params& ap, const float* q, float* out,
                                           device_buffer& workspace, const cuda_attend_options& opt) {
   impl& m = *impl_;
-  const geometry& g = m.shape();
-  if (layer >= g.layers) return fail(errc::layer_out_of_range, "attend: layer", {{"layer", layer}, {"layers", g.layers}});
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string("attend: ") + stale);
-  if (ap.kv_heads != g.kv_heads || ap.head_dim != g.head_dim)
-    return fail(errc::bad_shape, "attend: attention_params do not match the cache geometry",
-                {{"kv_heads", ap.kv_heads}, {"cache_kv_heads", g.kv_heads}, {"head_dim", ap.head_dim}, {"cache_head_dim", g.head_dim}});
-  if (opt.split_tokens == 0 || opt.split_tokens % 32 != 0)
-    return fail(errc::invalid_argument, "attend: split_tokens must be a positive multiple of 32", {{"split_tokens", opt.split_tokens}});
-  const std::size_t cover = opt.max_tokens != 0 ? opt.max_tokens : m.cfg.max_tokens;
-  if (cover < m.prepared_longest)
-    return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
-                {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
-  const std::size_t splits = (cover + opt.split_tokens - 1) / opt.split_tokens;
-  if (splits > 65535)
-    return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
-                {{"splits", static_cast<long long>(splits)}, {"split_tokens", opt.split_tokens}});
+  const result<std::uint32_t> splits =
+      detail::attend_splits(m, layer, ap, opt, opt.max_tokens != 0 ? opt.max_tokens : m.cfg.max_tokens);
+  KVCACHE_TRY(splits);
+  // Two segments merged in one pass: the store's groups, then the tail's pages (the batch table).
   const auto batch = static_cast<std::uint32_t>(m.batch_slots.size());
   attend_params p;
   p.pages[0] = m.store_pages_of(layer);
   p.tables[0] = {m.s_indptr, m.s_indices, m.s_last, batch};
   p.pages[1] = m.tail_pages_of(layer);
-  p.tables[1] = {m.t_indptr, m.t_indices, m.t_last, batch};
+  p.tables[1] = detail::batch_table(m);
   p.segments = 2;
-  p.batch = batch;
-  p.q_heads = ap.q_heads;
-  p.kv_heads = g.kv_heads;
-  p.head_dim = g.head_dim;
-  p.q = q;
-  p.out = out;
-  p.scale = ap.scale;
-  p.split_tokens = opt.split_tokens;
-  p.max_splits[0] = p.max_splits[1] = static_cast<std::uint32_t>(splits);
-  const std::size_t need = cuda_attend_workspace_bytes(p);
-  if (need > 0 && workspace.size() < need) {
-    result<device_buffer> grown = device_buffer::make(m.where, need);
-    KVCACHE_TRY(grown);
-    workspace = std::move(grown).value();
-  }
-  p.workspace = static_cast<float*>(workspace.data());
-  return cuda_attend(m.where, p);
+  p.max_splits[0] = p.max_splits[1] = splits.value();
+  return detail::launch_attend(m, p, ap, q, out, workspace, opt);
 }
 
 }  // namespace kvcache

@@ -242,6 +242,19 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
     for (seq_id id : ids) KVCACHE_ASSERT_OK(c->commit(id));
   }
   EXPECT_GT(c->stats().store_groups, 0u);
+  // The commits changed the cache: every batch call fails until the batch is prepared again.
+  for (const kvcache::result<void>& stale : {c->write_batch(0, d_k->data(), d_v->data()), c->mark_batch_written(),
+                                             c->attend(0, ap, d_q->data(), d_out->data(), ws, {64, 0})}) {
+    ASSERT_FALSE(stale.has_value());
+    EXPECT_EQ(stale.error().code, errc::invalid_argument) << stale.error().message;
+  }
+  KVCACHE_ASSERT_OK(c->prepare(ids));
+  const kvcache::result<void> bad_split = c->attend(0, ap, d_q->data(), d_out->data(), ws, {48, 0});
+  ASSERT_FALSE(bad_split.has_value());
+  EXPECT_EQ(bad_split.error().code, errc::invalid_argument) << bad_split.error().message;
+  const kvcache::result<void> bad_layer = c->attend(g.layers, ap, d_q->data(), d_out->data(), ws, {64, 0});
+  ASSERT_FALSE(bad_layer.has_value());
+  EXPECT_EQ(bad_layer.error().code, errc::layer_out_of_range) << bad_layer.error().message;
 }
 
 }  // namespace

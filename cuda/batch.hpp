@@ -1,0 +1,178 @@
+// The batch protocol shared by the three cuda caches (host code): prepare() validates the listed
+// sequences and uploads the batch's page tables, write_batch() appends the reserved rows of every
+// sequence of the batch for one layer, mark_batch_written() records a write done by the engine's
+// own kernel, attend() launches decode attention over the tables. The caches differ only in how
+// their tables are built and which pages a layer has; what is the same is written here once.
+//
+// These are templates over the cache's impl, which provides: `where` (cuda), `ids`
+// (detail::id_table), `seqs[slot]` with `reserved`, `pending`, `written[layer]` and
+// `written_count`, `shape()`, `fresh()`, the batch state `batch_slots`, `next_slots`, `mark`,
+// `stamp`, `uploader`, `epoch`, `prepared_epoch`, `prepared_rows`, `prepared_longest`, and the
+// device arrays `t_indptr`, `t_indices`, `t_last` (the batch's table of the written pages) and
+// `t_src` (row offsets of each sequence's reservation in write_batch's K and V).
+#pragma once
+
+#include "detail.cuh"
+
+#include <kvcache/attend.hpp>
+#include <kvcache/cuda/contiguous_cache.hpp>  // cuda_attend_options
+#include <kvcache/cuda/kernels.hpp>
+#include <kvcache/detail/id_table.hpp>
+#include <kvcache/view.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+
+namespace kvcache::detail {
+
+inline constexpr const char* stale_batch = "no prepared batch since the last change of this cache (call prepare after reserve)";
+
+/// Fails unless a batch was prepared since the cache last changed; `what` names the call.
+template <class Impl>
+result<void> check_fresh(const Impl& m, const char* what) {
+  if (!m.fresh()) return fail(errc::invalid_argument, std::string(what) + ": " + stale_batch);
+  return {};
+}
+
+/// prepare(), first step: the slots of the listed sequences, in order, each listed once, into
+/// m.next_slots. The prepared batch is untouched.
+template <class Impl>
+result<void> select_batch(Impl& m, std::span<const seq_id> batch) {
+  if (m.mark.size() < m.ids.slots()) m.mark.resize(m.ids.slots(), 0);
+  ++m.stamp;
+  m.next_slots.clear();
+  for (const seq_id id : batch) {
+    result<std::uint32_t> slot = m.ids.slot(id, "prepare: unknown sequence");
+    KVCACHE_TRY(slot);
+    if (m.mark[slot.value()] == m.stamp)
+      return fail(errc::invalid_argument, "prepare: sequence listed twice", {{"seq", static_cast<long long>(id.value)}});
+    m.mark[slot.value()] = m.stamp;
+    m.next_slots.push_back(slot.value());
+  }
+  return {};
+}
+
+/// prepare(), last step: uploads the host tables and makes m.next_slots the prepared batch.
+/// After a failed upload no batch is prepared (the device tables' contents are unknown).
+template <class Impl>
+result<void> publish_batch(Impl& m, const pinned_uploader::part* parts, std::size_t n, std::uint32_t rows,
+                           std::size_t longest) {
+  {
+    KVCACHE_CUDA_DEVICE(m.where, "prepare: cudaSetDevice");
+    const result<void> up = m.uploader.upload(stream_of(m.where), parts, n);
+    if (!up.has_value()) {
+      m.prepared_epoch = ~0ull;
+      return up;
+    }
+  }
+  std::swap(m.batch_slots, m.next_slots);
+  m.prepared_rows = rows;
+  m.prepared_longest = longest;
+  m.prepared_epoch = m.epoch;
+  return {};
+}
+
+/// The table of the written pages of the prepared batch, on the device.
+template <class Impl>
+device_table batch_table(const Impl& m) noexcept {
+  return device_table{m.t_indptr, m.t_indices, m.t_last, static_cast<std::uint32_t>(m.batch_slots.size())};
+}
+
+/// write_batch(): the reserved rows of every sequence of the batch, for one layer, whose pages
+/// are pages_of(layer), then the layer marked written for the sequences with a reservation.
+template <class Impl, class PagesOf>
+result<void> write_batch_rows(Impl& m, std::uint32_t layer, PagesOf pages_of, const void* k, const void* v, format src) {
+  const geometry& g = m.shape();
+  if (layer >= g.layers) return fail(errc::layer_out_of_range, "write_batch: layer", {{"layer", layer}, {"layers", g.layers}});
+  KVCACHE_TRY(check_fresh(m, "write_batch"));
+  if (src != format::f32 && src != format::f16)
+    return fail(errc::invalid_argument, "write_batch: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
+  if (m.prepared_rows > 0) {
+    if (k == nullptr || v == nullptr)
+      return fail(errc::invalid_argument, "write_batch: null K or V", {{"k_null", k == nullptr}, {"v_null", v == nullptr}});
+    append_params p;
+    p.dst = pages_of(layer);
+    p.table = batch_table(m);
+    p.k = k;
+    p.v = v;
+    p.src_format = src;
+    p.src_indptr = m.t_src;
+    p.max_rows = m.prepared_rows;
+    p.kv_heads = g.kv_heads;
+    p.head_dim = g.head_dim;
+    KVCACHE_TRY(cuda_append(m.where, p));
+  }
+  for (const std::uint32_t slot : m.batch_slots) {
+    auto& s = m.seqs[slot];
+    if (s.reserved && !s.written[layer]) {
+      s.written[layer] = 1;
+      ++s.written_count;
+    }
+  }
+  return {};
+}
+
+/// mark_batch_written(): every layer of every reservation of the batch marked written.
+template <class Impl>
+result<void> mark_batch_written(Impl& m) {
+  KVCACHE_TRY(check_fresh(m, "mark_batch_written"));
+  const std::uint32_t layers = m.shape().layers;
+  for (const std::uint32_t slot : m.batch_slots) {
+    auto& s = m.seqs[slot];
+    if (!s.reserved) continue;
+    for (std::uint32_t l = 0; l < layers; ++l) s.written[l] = 1;
+    s.written_count = layers;
+  }
+  return {};
+}
+
+/// attend(), first step: the checks of the call and the number of splits per sequence for
+/// `cover` tokens (the longest a sequence of the batch may have).
+template <class Impl>
+result<std::uint32_t> attend_splits(const Impl& m, std::uint32_t layer, const attention_params& ap,
+                                    const cuda_attend_options& opt, std::size_t cover) {
+  const geometry& g = m.shape();
+  if (layer >= g.layers) return fail(errc::layer_out_of_range, "attend: layer", {{"layer", layer}, {"layers", g.layers}});
+  KVCACHE_TRY(check_fresh(m, "attend"));
+  if (ap.kv_heads != g.kv_heads || ap.head_dim != g.head_dim)
+    return fail(errc::bad_shape, "attend: attention_params do not match the cache geometry",
+                {{"kv_heads", ap.kv_heads}, {"cache_kv_heads", g.kv_heads}, {"head_dim", ap.head_dim}, {"cache_head_dim", g.head_dim}});
+  if (opt.split_tokens == 0 || opt.split_tokens % 32 != 0)
+    return fail(errc::invalid_argument, "attend: split_tokens must be a positive multiple of 32", {{"split_tokens", opt.split_tokens}});
+  if (cover < m.prepared_longest)
+    return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
+                {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
+  const std::size_t splits = (cover + opt.split_tokens - 1) / opt.split_tokens;
+  if (splits > 65535)
+    return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
+                {{"splits", static_cast<long long>(splits)}, {"split_tokens", opt.split_tokens}});
+  return static_cast<std::uint32_t>(splits);
+}
+
+/// attend(), last step: p (pages, tables, segments and max_splits set by the cache) completed
+/// with the batch, the call's arguments and a workspace grown as needed, then launched.
+template <class Impl>
+result<void> launch_attend(const Impl& m, attend_params& p, const attention_params& ap, const float* q, float* out,
+                           device_buffer& workspace, const cuda_attend_options& opt) {
+  p.batch = static_cast<std::uint32_t>(m.batch_slots.size());
+  p.q_heads = ap.q_heads;
+  p.kv_heads = m.shape().kv_heads;
+  p.head_dim = m.shape().head_dim;
+  p.q = q;
+  p.out = out;
+  p.scale = ap.scale;
+  p.split_tokens = opt.split_tokens;
+  const std::size_t need = cuda_attend_workspace_bytes(p);
+  if (need > 0 && workspace.size() < need) {
+    result<device_buffer> grown = device_buffer::make(m.where, need);
+    KVCACHE_TRY(grown);
+    workspace = std::move(grown).value();
+  }
+  p.workspace = static_cast<float*>(workspace.data());
+  return cuda_attend(m.where, p);
+}
+
+}  // namespace kvcache::detail
