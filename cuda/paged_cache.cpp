@@ -1,6 +1,6 @@
 // block_pool<cuda> and paged_cache<cuda>: the host bookkeeping of paged_cache<cpu> (same ledger,
 // same sequence state machine) with device storage, device copies and the append/attend kernels.
-#include "batch.hpp"
+#include "protocol.hpp"
 #include "detail.cuh"
 
 #include <kvcache/cuda/paged_cache.hpp>
@@ -296,16 +296,6 @@ struct paged_cache<cuda>::impl {
     return id;
   }
 
-  [[nodiscard]] result<std::uint32_t> check_write(seq_id id, std::uint32_t layer) const {
-    result<std::uint32_t> slot = ids.slot(id, "write: unknown sequence");
-    KVCACHE_TRY(slot);
-    if (layer >= shape().layers)
-      return fail(errc::layer_out_of_range, "write: layer", {{"layer", layer}, {"layers", shape().layers}});
-    if (!seqs[slot.value()].reserved)
-      return fail(errc::not_reserved, "write: no open reservation", {{"seq", static_cast<long long>(id.value)}});
-    return slot;
-  }
-
   // Appends the reservation's rows (device, `src` format, token-major) block run by block run.
   [[nodiscard]] result<void> append_runs(std::uint32_t slot, std::uint32_t layer, const std::byte* k, const std::byte* v,
                                          format src) {
@@ -330,35 +320,14 @@ struct paged_cache<cuda>::impl {
       KVCACHE_TRY(cuda_append(where, p));
       pos += run;
     }
-    if (!s.written[layer]) {
-      s.written[layer] = 1;
-      ++s.written_count;
-    }
+    detail::mark_written(s, layer);
     return {};
   }
 
   template <class T>
   [[nodiscard]] result<void> write_host(seq_id id, std::uint32_t layer, std::span<const T> k, std::span<const T> v) {
-    result<std::uint32_t> slot = check_write(id, layer);
-    KVCACHE_TRY(slot);
-    const std::size_t expected = seqs[slot.value()].pending * shape().token_width();
-    if (k.size() != expected)
-      return fail(errc::bad_shape, "write: K size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(k.size())}});
-    if (v.size() != expected)
-      return fail(errc::bad_shape, "write: V size (reserved tokens * kv_heads * head_dim)",
-                  {{"expected", static_cast<long long>(expected)}, {"got", static_cast<long long>(v.size())}});
-    const std::size_t bytes = expected * sizeof(T);
-    if (bytes > 0 && staging.size() < 2 * bytes) {
-      result<device_buffer> grown = device_buffer::make(where, 2 * bytes);
-      KVCACHE_TRY(grown);
-      staging = std::move(grown).value();
-    }
-    std::byte* dk = static_cast<std::byte*>(staging.data());
-    std::byte* dv = dk + bytes;
-    KVCACHE_TRY(copy_to_device(where, dk, k.data(), bytes));
-    KVCACHE_TRY(copy_to_device(where, dv, v.data(), bytes));
-    return append_runs(slot.value(), layer, dk, dv, sizeof(T) == 4 ? format::f32 : format::f16);
+    return detail::write_host_rows(*this, id, layer, k, v, [this](std::uint32_t slot, std::uint32_t l, const std::byte* dk, const std::byte* dv,
+                                                                  format src) { return append_runs(slot, l, dk, dv, src); });
   }
 
   // Grows the device table (and pinned staging) to hold `batch` sequences and `entries` entries.
@@ -485,7 +454,7 @@ result<void> paged_cache<cuda>::write(seq_id id, std::uint32_t layer, std::span<
 
 result<void> paged_cache<cuda>::write_device(seq_id id, std::uint32_t layer, const void* k, const void* v, format src) {
   impl& m = *impl_;
-  result<std::uint32_t> slot = m.check_write(id, layer);
+  result<std::uint32_t> slot = detail::write_slot(m, id, layer);
   KVCACHE_TRY(slot);
   if (src != format::f32 && src != format::f16)
     return fail(errc::invalid_argument, "write_device: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
@@ -499,14 +468,7 @@ result<void> paged_cache<cuda>::commit(seq_id id) {
   result<std::uint32_t> slot = m.ids.slot(id, "commit: unknown sequence");
   KVCACHE_TRY(slot);
   impl::sequence& s = m.seqs[slot.value()];
-  if (!s.reserved) return fail(errc::not_reserved, "commit: no open reservation", {{"seq", static_cast<long long>(id.value)}});
-  const std::uint32_t layers = m.shape().layers;
-  if (s.written_count != layers) {
-    std::uint32_t first = 0;
-    while (first < layers && s.written[first]) ++first;
-    return fail(errc::incomplete_write, "commit: a layer of the reservation was not written",
-                {{"layer", first}, {"written_layers", s.written_count}, {"layers", layers}});
-  }
+  KVCACHE_TRY(detail::check_commit(id, s.reserved, s.written, s.written_count, m.shape().layers));
   const std::size_t B = m.B();
   if (s.pending_ids && (s.length + s.pending) / B > s.hashed) {
     // Publishing makes blocks adoptable by other caches of the pool, whose kernels may run on
@@ -547,13 +509,7 @@ result<void> paged_cache<cuda>::truncate(seq_id id, std::size_t n) {
   result<std::uint32_t> slot = m.ids.slot(id, "truncate: unknown sequence");
   KVCACHE_TRY(slot);
   impl::sequence& s = m.seqs[slot.value()];
-  if (s.reserved)
-    return fail(errc::reservation_pending, "truncate: a reservation is open",
-                {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
-  if (n > s.length)
-    return fail(errc::out_of_range, "truncate: count past the sequence length",
-                {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
-                 {"length", static_cast<long long>(s.length)}});
+  KVCACHE_TRY(detail::check_truncate(id, s.reserved, s.pending, n, s.length));
   const std::size_t keep = m.blocks_for(n);
   if (keep < s.blocks.size()) {
     m.pool->ledger().unref(std::span<const std::uint32_t>(s.blocks).subspan(keep));

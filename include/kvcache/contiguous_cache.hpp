@@ -25,7 +25,7 @@
 #include <kvcache/view.hpp>
 #include <kvcache/detail/id_table.hpp>
 #include <kvcache/detail/storage.hpp>
-#include <kvcache/detail/write_checks.hpp>
+#include <kvcache/detail/protocol_checks.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -218,14 +218,7 @@ class contiguous_cache<cpu> {
     result<std::uint32_t> slot = ids_.slot(id, "commit: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& s = seqs_[slot.value()];
-    if (!s.reserved)
-      return fail(errc::not_reserved, "commit: no open reservation", {{"seq", static_cast<long long>(id.value)}});
-    if (s.written_count != cfg_.shape.layers) {
-      std::uint32_t first = 0;
-      while (first < cfg_.shape.layers && s.written[first]) ++first;
-      return fail(errc::incomplete_write, "commit: a layer of the reservation was not written",
-                  {{"layer", first}, {"written_layers", s.written_count}, {"layers", cfg_.shape.layers}});
-    }
+    KVCACHE_TRY(detail::check_commit(id, s.reserved, s.written, s.written_count, cfg_.shape.layers));
     s.length += s.pending;
     tokens_ += s.pending;
     reserved_ -= s.pending;
@@ -248,12 +241,7 @@ class contiguous_cache<cpu> {
     result<std::uint32_t> slot = ids_.slot(id, "truncate: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& s = seqs_[slot.value()];
-    if (s.reserved)
-      return fail(errc::reservation_pending, "truncate: a reservation is open",
-                  {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
-    if (n > s.length)
-      return fail(errc::out_of_range, "truncate: count past the sequence length",
-                  {{"n", static_cast<long long>(n)}, {"length", static_cast<long long>(s.length)}});
+    KVCACHE_TRY(detail::check_truncate(id, s.reserved, s.pending, n, s.length));
     tokens_ -= s.length - n;
     s.length = n;
     set_chunk_tokens(s);

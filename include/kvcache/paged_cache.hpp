@@ -25,7 +25,7 @@
 #include <kvcache/placement.hpp>
 #include <kvcache/view.hpp>
 #include <kvcache/detail/id_table.hpp>
-#include <kvcache/detail/write_checks.hpp>
+#include <kvcache/detail/protocol_checks.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -255,15 +255,7 @@ class paged_cache<cpu> {
     result<std::uint32_t> slot = ids_.slot(id, "commit: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& s = seqs_[slot.value()];
-    if (!s.reserved)
-      return fail(errc::not_reserved, "commit: no open reservation", {{"seq", static_cast<long long>(id.value)}});
-    const std::uint32_t layers = shape().layers;
-    if (s.written_count != layers) {
-      std::uint32_t first = 0;
-      while (first < layers && s.written[first]) ++first;
-      return fail(errc::incomplete_write, "commit: a layer of the reservation was not written",
-                  {{"layer", first}, {"written_layers", s.written_count}, {"layers", layers}});
-    }
+    KVCACHE_TRY(detail::check_commit(id, s.reserved, s.written, s.written_count, shape().layers));
     const std::size_t B = block_tokens();
     const std::size_t old = s.length;
     s.length += s.pending;
@@ -301,12 +293,7 @@ class paged_cache<cpu> {
     result<std::uint32_t> slot = ids_.slot(id, "truncate: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& s = seqs_[slot.value()];
-    if (s.reserved)
-      return fail(errc::reservation_pending, "truncate: a reservation is open",
-                  {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
-    if (n > s.length)
-      return fail(errc::out_of_range, "truncate: count past the sequence length",
-                  {{"n", static_cast<long long>(n)}, {"length", static_cast<long long>(s.length)}});
+    KVCACHE_TRY(detail::check_truncate(id, s.reserved, s.pending, n, s.length));
     const std::size_t B = block_tokens();
     const std::size_t keep = blocks_for(n);
     if (keep < s.blocks.size()) {

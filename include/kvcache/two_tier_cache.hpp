@@ -53,7 +53,7 @@
 #include <kvcache/cache.hpp>
 #include <kvcache/detail/id_table.hpp>
 #include <kvcache/detail/storage.hpp>
-#include <kvcache/detail/write_checks.hpp>
+#include <kvcache/detail/protocol_checks.hpp>
 #include <kvcache/error.hpp>
 #include <kvcache/format.hpp>
 #include <kvcache/geometry.hpp>
@@ -441,15 +441,7 @@ class two_tier_cache<cpu> {
     auto slot = ids_.slot(s, "commit: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& q = seqs_[*slot];
-    if (!q.reserved)
-      return fail(errc::not_reserved, "commit: no open reservation", {{"seq", static_cast<long long>(s.value)}});
-    if (q.p_written != cfg_.shape.layers) {
-      const auto it = std::find(q.written.begin(), q.written.end(), std::uint8_t{0});
-      return fail(errc::incomplete_write, "commit: a layer of the reservation was not written",
-                  {{"layer", static_cast<long long>(it - q.written.begin())},
-                   {"written_layers", q.p_written},
-                   {"layers", cfg_.shape.layers}});
-    }
+    KVCACHE_TRY(detail::check_commit(s, q.reserved, q.written, q.p_written, cfg_.shape.layers));
     if (q.p_stage_count != 0) unstage(q);
     q.stage.reset();
     if (q.p_drop_count != 0) drop(q, q.p_drop_at, q.p_drop_count, q.p_drop_tokens);
@@ -499,12 +491,7 @@ class two_tier_cache<cpu> {
     auto slot = ids_.slot(s, "truncate: unknown sequence");
     KVCACHE_TRY(slot);
     sequence& q = seqs_[*slot];
-    if (q.reserved)
-      return fail(errc::reservation_pending, "truncate: a reservation is open",
-                  {{"seq", static_cast<long long>(s.value)}, {"pending", q.p_tokens}});
-    if (n > q.length())
-      return fail(errc::out_of_range, "truncate: count past the sequence length",
-                  {{"n", static_cast<long long>(n)}, {"length", static_cast<long long>(q.length())}});
+    KVCACHE_TRY(detail::check_truncate(s, q.reserved, q.p_tokens, n, q.length()));
     if (n == q.length()) return {};
     if (n >= q.store_tokens) {
       q.tail = static_cast<std::uint32_t>(n - q.store_tokens);

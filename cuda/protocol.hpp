@@ -1,15 +1,18 @@
-// The batch protocol shared by the three cuda caches (host code): prepare() validates the listed
+// The protocol code shared by the three cuda caches (host code). Writes: the checks, staging of
+// host rows on the device, the layer marked written. The batch: prepare() validates the listed
 // sequences and uploads the batch's page tables, write_batch() appends the reserved rows of every
 // sequence of the batch for one layer, mark_batch_written() records a write done by the engine's
-// own kernel, attend() launches decode attention over the tables. The caches differ only in how
-// their tables are built and which pages a layer has; what is the same is written here once.
+// own kernel, attend() launches decode attention over the tables. The caches differ in how their
+// tables are built, which pages a layer has and how rows are appended; the rest is written here
+// once. Checks common to the cpu caches too are in kvcache/detail/protocol_checks.hpp.
 //
 // These are templates over the cache's impl, which provides: `where` (cuda), `ids`
 // (detail::id_table), `seqs[slot]` with `reserved`, `pending`, `written[layer]` and
 // `written_count`, `shape()`, `fresh()`, the batch state `batch_slots`, `next_slots`, `mark`,
 // `stamp`, `uploader`, `epoch`, `prepared_epoch`, `prepared_rows`, `prepared_longest`, and the
 // device arrays `t_indptr`, `t_indices`, `t_last` (the batch's table of the written pages) and
-// `t_src` (row offsets of each sequence's reservation in write_batch's K and V).
+// `t_src` (row offsets of each sequence's reservation in write_batch's K and V); for host writes,
+// `staging` (device_buffer).
 #pragma once
 
 #include "detail.cuh"
@@ -18,6 +21,7 @@
 #include <kvcache/cuda/contiguous_cache.hpp>  // cuda_attend_options
 #include <kvcache/cuda/kernels.hpp>
 #include <kvcache/detail/id_table.hpp>
+#include <kvcache/detail/protocol_checks.hpp>
 #include <kvcache/view.hpp>
 
 #include <cstddef>
@@ -27,6 +31,47 @@
 #include <utility>
 
 namespace kvcache::detail {
+
+/// Layer `layer` of a sequence's reservation marked written.
+template <class Sequence>
+void mark_written(Sequence& s, std::uint32_t layer) noexcept {
+  if (!s.written[layer]) {
+    s.written[layer] = 1;
+    ++s.written_count;
+  }
+}
+
+/// write() and write_device(): the sequence's slot, if the layer exists and it has an open
+/// reservation.
+template <class Impl>
+result<std::uint32_t> write_slot(const Impl& m, seq_id id, std::uint32_t layer) {
+  result<std::uint32_t> slot = m.ids.slot(id, "write: unknown sequence");
+  KVCACHE_TRY(slot);
+  KVCACHE_TRY(check_write_target(m.shape(), id, layer, m.seqs[slot.value()].reserved));
+  return slot;
+}
+
+/// write() from host rows: checked against the reservation, staged on the device (m.staging,
+/// grown as needed), then appended from there by append(slot, layer, k, v, format).
+template <class Impl, class T, class Append>
+result<void> write_host_rows(Impl& m, seq_id id, std::uint32_t layer, std::span<const T> k, std::span<const T> v,
+                             Append append) {
+  result<std::uint32_t> slot = m.ids.slot(id, "write: unknown sequence");
+  KVCACHE_TRY(slot);
+  const auto& s = m.seqs[slot.value()];
+  KVCACHE_TRY(check_write(m.shape(), id, layer, s.reserved, s.pending, k.size(), v.size()));
+  const std::size_t bytes = k.size() * sizeof(T);
+  if (bytes > 0 && m.staging.size() < 2 * bytes) {
+    result<device_buffer> grown = device_buffer::make(m.where, 2 * bytes);  // frees the old one after
+    KVCACHE_TRY(grown);
+    m.staging = std::move(grown).value();
+  }
+  std::byte* dk = static_cast<std::byte*>(m.staging.data());
+  std::byte* dv = dk + bytes;
+  KVCACHE_TRY(copy_to_device(m.where, dk, k.data(), bytes));
+  KVCACHE_TRY(copy_to_device(m.where, dv, v.data(), bytes));
+  return append(slot.value(), layer, dk, dv, sizeof(T) == 4 ? format::f32 : format::f16);
+}
 
 inline constexpr const char* stale_batch = "no prepared batch since the last change of this cache (call prepare after reserve)";
 
@@ -107,10 +152,7 @@ result<void> write_batch_rows(Impl& m, std::uint32_t layer, PagesOf pages_of, co
   }
   for (const std::uint32_t slot : m.batch_slots) {
     auto& s = m.seqs[slot];
-    if (s.reserved && !s.written[layer]) {
-      s.written[layer] = 1;
-      ++s.written_count;
-    }
+    if (s.reserved) mark_written(s, layer);
   }
   return {};
 }
