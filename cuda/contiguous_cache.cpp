@@ -247,13 +247,9 @@ result<void> contiguous_cache<cuda>::write(seq_id id, std::uint32_t layer, std::
 result<void> contiguous_cache<cuda>::write_device(seq_id id, std::uint32_t layer, const void* k, const void* v,
                                                   format src) {
   impl& m = *impl_;
-  result<std::uint32_t> slot = detail::write_slot(m, id, layer);
-  KVCACHE_TRY(slot);
-  if (src != format::f32 && src != format::f16)
-    return fail(errc::invalid_argument, "write_device: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
-  if (m.seqs[slot.value()].pending > 0 && (k == nullptr || v == nullptr))
-    return fail(errc::invalid_argument, "write_device: null K or V", {{"k_null", k == nullptr}, {"v_null", v == nullptr}});
-  return m.append_one(slot.value(), layer, k, v, src);
+  return detail::write_device_rows(m, id, layer, k, v, src,
+                                   [&m](std::uint32_t slot, std::uint32_t l, const std::byte* dk, const std::byte* dv,
+                                        format f) { return m.append_one(slot, l, dk, dv, f); });
 }
 
 result<void> contiguous_cache<cuda>::commit(seq_id id) {

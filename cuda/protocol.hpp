@@ -73,6 +73,20 @@ result<void> write_host_rows(Impl& m, seq_id id, std::uint32_t layer, std::span<
   return append(slot.value(), layer, dk, dv, sizeof(T) == 4 ? format::f32 : format::f16);
 }
 
+/// write_device(): rows already on the device, appended by append(slot, layer, k, v, format)
+/// after the checks (a source format the append kernel reads; K and V present when rows are).
+template <class Impl, class Append>
+result<void> write_device_rows(Impl& m, seq_id id, std::uint32_t layer, const void* k, const void* v, format src,
+                               Append append) {
+  result<std::uint32_t> slot = write_slot(m, id, layer);
+  KVCACHE_TRY(slot);
+  if (src != format::f32 && src != format::f16)
+    return fail(errc::invalid_argument, "write_device: source format must be f32 or f16", {{"format", static_cast<long long>(src)}});
+  if (m.seqs[slot.value()].pending > 0 && (k == nullptr || v == nullptr))
+    return fail(errc::invalid_argument, "write_device: null K or V", {{"k_null", k == nullptr}, {"v_null", v == nullptr}});
+  return append(slot.value(), layer, static_cast<const std::byte*>(k), static_cast<const std::byte*>(v), src);
+}
+
 inline constexpr const char* stale_batch = "no prepared batch since the last change of this cache (call prepare after reserve)";
 
 /// Fails unless a batch was prepared since the cache last changed; `what` names the call.
