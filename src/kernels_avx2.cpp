@@ -40,6 +40,7 @@ struct V {
   static constexpr unsigned acc_queries = 4;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 8;
   static constexpr unsigned q4_queries = 2;  // 4 accumulators per query: 2 queries + 4 decoded codes
+  static constexpr bool consecutive_headers = false;  // acc_q4_nq reads headers block by block
   using vf = __m256;
   using vi = __m256i;
   using b16 = __m128i;

@@ -20,6 +20,7 @@ struct V {
   static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;
   static constexpr unsigned q4_queries = 2;  // 8 accumulators per query + 8 decoded codes
+  static constexpr bool consecutive_headers = false;  // acc_q4_nq reads headers block by block
   using vf = float32x4_t;
   using vi = int32x4_t;
   using b16 = uint8x16_t;

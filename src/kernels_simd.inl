@@ -534,11 +534,73 @@ void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_
 // ---- Q4 accumulate: lanes = the 32 channels of a value block; p * scale precomputed per token
 // tile, p * min summed per (query, block) and added once --------------------------------------------
 
+// The same where V reads the headers of consecutive blocks (AVX-512) and the blocks per token, nb,
+// is a power of two <= 8: the set-up of a tile (weights p * scale, sums of p * min) runs over all
+// its blocks at once, lanes = blocks t * nb + g of W / nb tokens, rather than block by block with
+// strided header loads and a horizontal sum per query and block. The set-up was 40% of the Q4
+// value time at head_dim 128 (2.8 of 6.9 ns per token); the FMA loop is unchanged.
+template <unsigned NQ, class VV = V>
+void acc_q4_consecutive(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd,
+                        unsigned nb, float* acc) {
+  constexpr unsigned R = 32 / W;
+  const unsigned shift = nb == 1 ? 0u : nb == 2 ? 1u : nb == 4 ? 2u : 3u;
+  const unsigned per = W >> shift;  // tokens per vector of blocks
+  alignas(64) float ws[NQ][32 * 8];  // p * scale per block of the tile, [t * nb + g]
+  alignas(64) float pm[NQ][W];       // sum over the tile of p * min, [g]
+  for (unsigned t0 = 0; t0 < tokens; t0 += 32) {
+    const unsigned nt = umin(32u, tokens - t0);
+    const q4_block* tile = v + std::size_t(t0) * nb;
+    vf pmv[NQ];
+    for (unsigned i = 0; i < NQ; ++i) pmv[i] = V::zero();
+    for (unsigned k0 = 0; k0 < nt * nb; k0 += W) {
+      const unsigned tk = k0 >> shift;  // first token of these blocks
+      vf s, m;
+      VV::consecutive_scale_min(tile + k0, umin(W, nt * nb - k0), s, m);
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i) {
+        const vf pv = VV::spread(V::load_n(p + i * p_stride + t0 + tk, umin(per, nt - tk)), shift);
+        V::store(ws[i] + k0, V::mul(pv, s));
+        pmv[i] = V::fma(pv, m, pmv[i]);
+      }
+    }
+    for (unsigned i = 0; i < NQ; ++i) V::store(pm[i], VV::fold(pmv[i], nb));
+    for (unsigned g = 0; g < nb; ++g) {
+      const unsigned ch = umin(32u, hd - g * 32u);
+      vf a[NQ * R];
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i)
+#pragma GCC unroll 8
+        for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::load_n(acc + i * hd + g * 32u + r * W, lanes(ch, r));
+      for (unsigned j = 0; j < nt; ++j) {
+        vf code[R];
+        V::decode32(V::load16(tile[j * nb + g].codes), code);
+#pragma GCC unroll 8
+        for (unsigned i = 0; i < NQ; ++i) {
+          const vf b = V::set1(ws[i][j * nb + g]);
+#pragma GCC unroll 8
+          for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::fma(b, code[r], a[i * R + r]);
+        }
+      }
+      for (unsigned i = 0; i < NQ; ++i) {
+        const vf m = V::set1(pm[i][g]);
+        for (unsigned r = 0; r < R; ++r)
+          V::store_n(acc + i * hd + g * 32u + r * W, V::add(a[i * R + r], m), lanes(ch, r));
+      }
+    }
+  }
+}
+
 template <unsigned NQ>
 void acc_q4_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd,
                float* acc) {
   constexpr unsigned R = 32 / W;
   const unsigned nb = (hd + 31u) / 32u;
+  if constexpr (V::consecutive_headers) {
+    if (nb <= 8 && (nb & (nb - 1)) == 0) {
+      acc_q4_consecutive<NQ>(p, p_stride, v, tokens, hd, nb, acc);
+      return;
+    }
+  }
   alignas(64) float ws[NQ][32];  // p * scale per token of the tile
   for (unsigned t0 = 0; t0 < tokens; t0 += 32) {
     const unsigned nt = umin(32u, tokens - t0);
