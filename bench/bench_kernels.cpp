@@ -147,9 +147,9 @@ void scores_dense(benchmark::State& s, const kernels::table* t, std::uint32_t nq
     for (std::uint32_t h = 0; h < heads; ++h) {
       const K* kh = k + std::size_t{h} * ctx_tokens * head_dim;
       if constexpr (std::is_same_v<K, half>)
-        t->scores_f16(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens);
+        t->scores_f16(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens, {});
       else
-        t->scores_f32(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens);
+        t->scores_f32(q.as<float>(), nq, kh, ctx_tokens, head_dim, out.as<float>(), ctx_tokens, {});
     }
     benchmark::ClobberMemory();
   }
@@ -168,9 +168,9 @@ void accumulate_dense(benchmark::State& s, const kernels::table* t, std::uint32_
     for (std::uint32_t h = 0; h < heads; ++h) {
       const V* vh = v + std::size_t{h} * ctx_tokens * head_dim;
       if constexpr (std::is_same_v<V, half>)
-        t->accumulate_f16(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>());
+        t->accumulate_f16(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>(), {});
       else
-        t->accumulate_f32(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>());
+        t->accumulate_f32(p.as<float>(), ctx_tokens, nq, vh, ctx_tokens, head_dim, acc.as<float>(), {});
     }
     benchmark::ClobberMemory();
   }

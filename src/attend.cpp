@@ -177,26 +177,52 @@ class prefetch_stream {
     const std::size_t lines = (hb - ha) * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
     per_call_ = (lines * 5 / 4 + calls - 1) / std::max<std::uint32_t>(calls, 1);
   }
+  // Issues one call's share of lines now (before a kernel that takes no prefetch region).
   void pump() {
     if (a_ != nullptr) pump_lines(per_call_);
   }
+  // Issues a region taken but not handed to a kernel.
+  static void issue(kernels::prefetch_region r) {
+    const auto* p = static_cast<const std::byte*>(r.p);
+    for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+  }
+  // One call's share of lines as a region for a dense kernel to spread over its rows: contiguous
+  // bytes, across consecutive heads where they are adjacent in memory; what does not fit stays
+  // queued for the next call.
+  kernels::prefetch_region take() {
+    if (a_ == nullptr) return {};
+    const std::byte* begin = (values_ ? a_->v_head(h_) : a_->k_head(h_)) + off_;
+    const std::size_t want = per_call_ * 64;
+    std::size_t got = 0;
+    while (a_ != nullptr && got < want) {
+      const std::byte* at = (values_ ? a_->v_head(h_) : a_->k_head(h_)) + off_;
+      if (at != begin + got) break;  // not adjacent to what is taken
+      const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
+      const std::size_t n = std::min(want - got, bytes - off_);
+      got += n;
+      off_ += n;
+      if (off_ == bytes) next_head();
+    }
+    return {begin, got};
+  }
 
  private:
+  void next_head() {
+    off_ = 0;
+    if (++h_ == hb_) {
+      h_ = ha_;
+      if (values_) a_ = nullptr;
+      values_ = true;
+    }
+  }
   void pump_lines(std::size_t n) {
     while (n > 0) {
       const std::byte* p = values_ ? a_->v_head(h_) : a_->k_head(h_);
       const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
       for (; n > 0 && off_ < bytes; --n, off_ += 64) __builtin_prefetch(p + off_, 0, 3);
       if (off_ < bytes) return;
-      off_ = 0;
-      if (++h_ == hb_) {
-        h_ = ha_;
-        if (values_) {
-          a_ = nullptr;
-          return;
-        }
-        values_ = true;
-      }
+      next_head();
+      if (a_ == nullptr) return;
     }
   }
 
@@ -206,20 +232,37 @@ class prefetch_stream {
   std::size_t off_ = 0, k_bytes_ = 0, v_bytes_ = 0, per_call_ = 0;
 };
 
-// Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile).
+// The rows of a dense head's stream (row bytes `row`, `tokens` rows at `base`) that follow rows
+// [off, off + n): the next n of them, as far as the chunk has them. A kernel prefetches them while it
+// works on [off, off + n), so the next call finds them in cache (head by head over a contiguous
+// cache, where each call is one tile of a long stream; empty for a paged block read whole).
+kernels::prefetch_region next_rows(const std::byte* base, std::size_t row, std::uint32_t tokens, std::uint32_t off,
+                                   std::uint32_t n) {
+  const std::uint32_t from = off + n;
+  const std::uint32_t count = from < tokens ? std::min(n, tokens - from) : 0;
+  return {base + static_cast<std::size_t>(from) * row, static_cast<std::size_t>(count) * row};
+}
+
+// Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile). A dense kernel
+// prefetches the chunk's next rows of the head, or else the share of the stream pf.
 void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n,
-                 const float* qf, float* s) {
+                 const float* qf, float* s, prefetch_stream& pf) {
   const kernels::table& kt = *c.kt;
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
+  const std::size_t elem = ch.k_format == format::q4 ? 0 : dense_element_bytes(ch.k_format);
+  kernels::prefetch_region next = elem == 0 ? kernels::prefetch_region{} : next_rows(kb, hd * elem, ch.tokens, off, n);
+  if (elem != 0 && next.bytes == 0) next = pf.take();
+  else if (elem != 0) pf.pump();
   switch (ch.k_format) {
     case format::f16:
-      kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile);
+      kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile, next);
       break;
     case format::f32:
-      kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile);
+      kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile, next);
       break;
     case format::q4:  // validated: the whole chunk is one group; off == 0
+      pf.pump();
       kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile);
       break;
   }
@@ -228,9 +271,18 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers.
+// The call's share of the prefetch stream pf goes to the first dense kernel that has no next rows
+// of its own to prefetch (or is issued before a Q4 one).
 void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
-                     std::uint32_t filled, const float* s, float* acc, unsigned worker) {
+                     std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
+  kernels::prefetch_region share = pf.take();
+  auto own_or_share = [&share](kernels::prefetch_region own) {
+    if (own.bytes != 0) return own;
+    const kernels::prefetch_region r = share;
+    share = {};
+    return r;
+  };
 #if defined(KVCACHE_HAVE_AVX512)
   if (c.fused_values) {
     const format vf = view.chunks[ci].v_format;  // chunk ci has tokens: filled > 0
@@ -238,15 +290,21 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
     const std::size_t elem = dense_element_bytes(vf);
     std::uint32_t count = 0, done = 0;
+    kernels::prefetch_region next{};  // the rows after the tile's last segment, in its chunk
     for (std::uint32_t cj = ci, o = off; fused && done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
       if (ch.tokens == 0) continue;
       const std::uint32_t n = std::min(filled - done, ch.tokens - o);
       fused = ch.v_format == vf;
       segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
+      next = next_rows(ch.v_head(h), hd * elem, ch.tokens, o, n);
       done += n;
     }
-    if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc)) return;
+    if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc,
+                                                            own_or_share(next))) {
+      prefetch_stream::issue(share);
+      return;
+    }
   }
 #else
   (void)worker;
@@ -262,17 +320,21 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     const float* p = s + done;
     switch (ch.v_format) {
       case format::f16:
-        kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
+        kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
+                          own_or_share(next_rows(vb, std::size_t{hd} * sizeof(half), ch.tokens, o, n)));
         break;
       case format::f32:
-        kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc);
+        kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
+                          own_or_share(next_rows(vb, std::size_t{hd} * sizeof(float), ch.tokens, o, n)));
         break;
       case format::q4:
+        prefetch_stream::issue(own_or_share({}));
         kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc);
         break;
     }
     done += n;
   }
+  prefetch_stream::issue(share);
 }
 
 // Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
@@ -319,8 +381,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
       for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
-        pf.pump();
-        score_chunk(c, ch, h, off, n, hs.qf, hs.s + filled);
+        score_chunk(c, ch, h, off, n, hs.qf, hs.s + filled, pf);
       }
       filled += n;
       if (off + n < ch.tokens) {  // the tile is full inside this chunk
@@ -333,9 +394,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     while (view.chunks[first].tokens == 0) ++first;
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
-      pf.pump();
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
-      accumulate_tile(c, view, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker);
+      accumulate_tile(c, view, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf);
     }
   }
 

@@ -21,6 +21,8 @@ namespace generic {
 
 namespace {
 
+#include "row_prefetch.inl"
+
 // The vector interface of attend_softmax_simd.inl: 16 float lanes.
 struct S {
   using vf = __m512;
@@ -53,9 +55,10 @@ inline __m512 load16(const std::uint16_t* p) {
 }
 
 // Channels [c0, c0 + 16 NV) of G queries, over every segment.
+// pf, when not null, advances with the rows.
 template <class T, int G, int NV>
 void block(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
-           std::uint32_t hd, std::uint32_t c0, float* acc) {
+           std::uint32_t hd, std::uint32_t c0, float* acc, row_prefetch* pf) {
   __m512 a[G][NV];
   for (int i = 0; i < G; ++i)
     for (int u = 0; u < NV; ++u) a[i][u] = _mm512_loadu_ps(acc + i * hd + c0 + 16 * u);
@@ -64,6 +67,7 @@ void block(const float* p, std::size_t p_stride, const value_segment* segs, std:
     const float* pp = p + segs[sgi].p_offset;
     const std::uint32_t n = segs[sgi].tokens;
     for (std::uint32_t t = 0; t < n; ++t) {
+      if (pf != nullptr) pf->rows(1);
       __m512 x[NV];
       for (int u = 0; u < NV; ++u) x[u] = load16(v + static_cast<std::size_t>(t) * hd + 16 * u);
       for (int i = 0; i < G; ++i) {
@@ -76,23 +80,27 @@ void block(const float* p, std::size_t p_stride, const value_segment* segs, std:
     for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + i * hd + c0 + 16 * u, a[i][u]);
 }
 
+// The region is prefetched over the rows of the first pass of channels.
 template <class T, int G>
 void all_blocks(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
-                std::uint32_t hd, float* acc) {
+                std::uint32_t hd, float* acc, kernels::prefetch_region region) {
   constexpr int NV = G >= 8 ? 2 : 4;  // G * NV <= 16 accumulators
+  std::uint32_t rows = 0;
+  for (std::uint32_t i = 0; i < count; ++i) rows += segs[i].tokens;
+  row_prefetch pf(region, rows);
   std::uint32_t c0 = 0;
-  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc);
-  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc);
+  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc, c0 == 0 ? &pf : nullptr);
+  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc, c0 == 0 ? &pf : nullptr);
 }
 
 template <class T>
 bool dispatch(const float* p, std::size_t p_stride, std::uint32_t g, const value_segment* segs,
-              std::uint32_t count, std::uint32_t hd, float* acc) {
+              std::uint32_t count, std::uint32_t hd, float* acc, kernels::prefetch_region pf) {
   switch (g) {
-    case 1: all_blocks<T, 1>(p, p_stride, segs, count, hd, acc); return true;
-    case 2: all_blocks<T, 2>(p, p_stride, segs, count, hd, acc); return true;
-    case 4: all_blocks<T, 4>(p, p_stride, segs, count, hd, acc); return true;
-    case 8: all_blocks<T, 8>(p, p_stride, segs, count, hd, acc); return true;
+    case 1: all_blocks<T, 1>(p, p_stride, segs, count, hd, acc, pf); return true;
+    case 2: all_blocks<T, 2>(p, p_stride, segs, count, hd, acc, pf); return true;
+    case 4: all_blocks<T, 4>(p, p_stride, segs, count, hd, acc, pf); return true;
+    case 8: all_blocks<T, 8>(p, p_stride, segs, count, hd, acc, pf); return true;
     default: return false;
   }
 }
@@ -100,10 +108,11 @@ bool dispatch(const float* p, std::size_t p_stride, std::uint32_t g, const value
 }  // namespace
 
 bool accumulate_segments(bool f16, const float* p, std::size_t p_stride, std::uint32_t group,
-                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc) {
+                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc,
+                         kernels::prefetch_region pf) {
   if (head_dim % 16 != 0) return false;
-  return f16 ? dispatch<std::uint16_t>(p, p_stride, group, segs, count, head_dim, acc)
-             : dispatch<float>(p, p_stride, group, segs, count, head_dim, acc);
+  return f16 ? dispatch<std::uint16_t>(p, p_stride, group, segs, count, head_dim, acc, pf)
+             : dispatch<float>(p, p_stride, group, segs, count, head_dim, acc, pf);
 }
 
 }  // namespace kvcache::detail::attend_avx512

@@ -2,6 +2,8 @@
 // Internal to src/: the per-ISA pieces of attend() (attend.cpp). ISA files follow the ODR rule of
 // kernels_internal.hpp: their code stays in their own namespace with internal linkage, except the
 // functions declared here.
+#include <kvcache/kernels.hpp>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -39,7 +41,8 @@ namespace attend_avx512 {
 /// accumulators in registers across all segments. f32 (f16 == false) or f16 values. False (and
 /// nothing done) when the shape is not handled: group not 1, 2, 4 or 8, or head_dim % 16 != 0.
 bool accumulate_segments(bool f16, const float* p, std::size_t p_stride, std::uint32_t group,
-                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc);
+                         const value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc,
+                         kernels::prefetch_region pf);
 }  // namespace attend_avx512
 #endif
 

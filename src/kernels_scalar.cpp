@@ -93,12 +93,12 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
 }
 
 void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
-                std::uint32_t head_dim, float* out, std::size_t out_stride) {
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
 }
 
 void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
-                std::uint32_t head_dim, float* out, std::size_t out_stride) {
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
 }
 
@@ -128,12 +128,12 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
 }
 
 void accumulate_f16(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
-                    std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
+                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region) {
   accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
 }
 
 void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
-                    std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
+                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region) {
   accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
 }
 

@@ -27,6 +27,8 @@ constexpr unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 // Lanes of vector r (W lanes each) that lie below n.
 constexpr unsigned lanes(unsigned n, unsigned r) { return n <= r * W ? 0u : umin(W, n - r * W); }
 
+#include "row_prefetch.inl"
+
 // ---- FP16 conversions --------------------------------------------------------------------------
 
 void f32_to_f16(const float* src, half* dst, std::size_t n) {
@@ -315,17 +317,26 @@ void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_
     for (unsigned t = 0; t < T; ++t) out[i * out_stride + t] = r[i * T + t];
 }
 
+// pf (null after the first pass of queries) advances with the rows.
 template <unsigned NQ, class K>
-void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride) {
+void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               row_prefetch* pf) {
   constexpr unsigned T = umax(1u, V::score_acc / NQ);
   unsigned t = 0;
-  for (; t + T <= tokens; t += T) scores_tile<NQ, T>(q, k + t * hd, hd, out + t, out_stride);
-  for (; t < tokens; ++t) scores_tile<NQ, 1>(q, k + t * hd, hd, out + t, out_stride);
+  for (; t + T <= tokens; t += T) {
+    if (pf != nullptr) pf->rows(T);
+    scores_tile<NQ, T>(q, k + t * hd, hd, out + t, out_stride);
+  }
+  for (; t < tokens; ++t) {
+    if (pf != nullptr) pf->rows(1);
+    scores_tile<NQ, 1>(q, k + t * hd, hd, out + t, out_stride);
+  }
 }
 
 template <class K>
 void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
-                  std::uint32_t head_dim, float* out, std::size_t out_stride) {
+                  std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
+  row_prefetch pf(region, tokens);
   // Token tiles small enough to stay in L1 while the query passes loop over them.
   const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
@@ -337,29 +348,30 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
       const float* qi = q + std::size_t(i0) * head_dim;
       const K* kt = k + std::size_t(t0) * head_dim;
       float* o = out + i0 * out_stride + t0;
+      row_prefetch* p = i0 == 0 ? &pf : nullptr;
       i0 += n;
       switch (n) {
-        case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 4: scores_nq<4>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 5: scores_nq<5>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 6: scores_nq<6>(qi, kt, nt, head_dim, o, out_stride); break;
-        case 7: scores_nq<7>(qi, kt, nt, head_dim, o, out_stride); break;
-        default: scores_nq<8>(qi, kt, nt, head_dim, o, out_stride); break;
+        case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 4: scores_nq<4>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 5: scores_nq<5>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 6: scores_nq<6>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 7: scores_nq<7>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        default: scores_nq<8>(qi, kt, nt, head_dim, o, out_stride, p); break;
       }
     }
   }
 }
 
 void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
-                std::uint32_t head_dim, float* out, std::size_t out_stride) {
-  scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
 void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
-                std::uint32_t head_dim, float* out, std::size_t out_stride) {
-  scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
 // ---- dense accumulate: acc[i][d] += sum_t p[i][t] v[t][d] -----------------------------------------
@@ -368,7 +380,7 @@ void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t 
 // vector holds `last` lanes (< W only when Partial).
 template <unsigned NQ, unsigned ND, bool Partial, class Vt>
 void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd,
-              unsigned d0, unsigned last, float* acc) {
+              unsigned d0, unsigned last, float* acc, row_prefetch* pf) {
   vf a[NQ * ND];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i)
@@ -378,6 +390,7 @@ void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens
       a[i * ND + c] = (Partial && c == ND - 1) ? V::load_n(src, last) : V::load(src);
     }
   for (unsigned t = 0; t < tokens; ++t) {
+    if (pf != nullptr) pf->rows(1);
     vf w[NQ];
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) w[i] = V::set1(p[i * p_stride + t]);
@@ -401,30 +414,34 @@ void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens
 
 template <unsigned NQ, unsigned ND, class Vt>
 void acc_tile_any(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd,
-                  unsigned d0, unsigned last, float* acc) {
-  if (last == W) acc_tile<NQ, ND, false>(p, p_stride, v, tokens, hd, d0, last, acc);
-  else acc_tile<NQ, ND, true>(p, p_stride, v, tokens, hd, d0, last, acc);
+                  unsigned d0, unsigned last, float* acc, row_prefetch* pf) {
+  if (last == W) acc_tile<NQ, ND, false>(p, p_stride, v, tokens, hd, d0, last, acc, pf);
+  else acc_tile<NQ, ND, true>(p, p_stride, v, tokens, hd, d0, last, acc, pf);
 }
 
+// pf (null after the first pass of queries) advances with the rows of the first channel group.
 template <unsigned NQ, class Vt>
-void acc_nq(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd, float* acc) {
+void acc_nq(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd, float* acc,
+            row_prefetch* pf) {
   constexpr unsigned ND = umax(1u, umin(4u, V::acc_regs / NQ));
   for (unsigned d0 = 0; d0 < hd; d0 += ND * W) {
     const unsigned rest = hd - d0;
     const unsigned nv = umin(ND, (rest + W - 1) / W);  // vectors in this channel group
     const unsigned last = rest - (nv - 1) * W < W ? rest - (nv - 1) * W : W;
+    row_prefetch* f = d0 == 0 ? pf : nullptr;
     switch (nv) {
-      case 1: acc_tile_any<NQ, 1>(p, p_stride, v, tokens, hd, d0, last, acc); break;
-      case 2: acc_tile_any<NQ, umin(2u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc); break;
-      case 3: acc_tile_any<NQ, umin(3u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc); break;
-      default: acc_tile_any<NQ, ND>(p, p_stride, v, tokens, hd, d0, last, acc); break;
+      case 1: acc_tile_any<NQ, 1>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
+      case 2: acc_tile_any<NQ, umin(2u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
+      case 3: acc_tile_any<NQ, umin(3u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
+      default: acc_tile_any<NQ, ND>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
     }
   }
 }
 
 template <class Vt>
 void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, const Vt* v,
-                      std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
+                      std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region region) {
+  row_prefetch pf(region, tokens);
   const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(Vt))));
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
     const unsigned nt = umin(tile, tokens - t0);
@@ -435,29 +452,30 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
       const unsigned n = (rest + passes - 1) / passes;
       const float* pi = p + i0 * p_stride + t0;
       float* a = acc + std::size_t(i0) * head_dim;
+      row_prefetch* f = i0 == 0 ? &pf : nullptr;
       i0 += n;
       switch (n) {
-        case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 2: acc_nq<2>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 3: acc_nq<3>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 4: acc_nq<4>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 5: acc_nq<5>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 6: acc_nq<6>(pi, p_stride, vt, nt, head_dim, a); break;
-        case 7: acc_nq<7>(pi, p_stride, vt, nt, head_dim, a); break;
-        default: acc_nq<8>(pi, p_stride, vt, nt, head_dim, a); break;
+        case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 2: acc_nq<2>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 3: acc_nq<3>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 4: acc_nq<4>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 5: acc_nq<5>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 6: acc_nq<6>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 7: acc_nq<7>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        default: acc_nq<8>(pi, p_stride, vt, nt, head_dim, a, f); break;
       }
     }
   }
 }
 
 void accumulate_f16(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
-                    std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
-  accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
+                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
+  accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc, pf);
 }
 
 void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
-                    std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
-  accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
+                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
+  accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc, pf);
 }
 
 // ---- Q4 scores: lanes = the 32 tokens of the key group; scales folded into the query ------------

@@ -22,6 +22,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -321,8 +322,16 @@ void check_scores_dense(const kernels::table& t, std::mt19937_64& rng, bool f16)
         const std::size_t os = tokens + 5;
         const float guard = -12345.0f;
         std::vector<float> out(nq * os + 2, guard);
-        if (f16) t.scores_f16(q.data() + 1, nq, reinterpret_cast<const half*>(k.data() + 1), tokens, hd, out.data() + 1, os);
-        else t.scores_f32(q.data() + 1, nq, reinterpret_cast<const float*>(k.data() + 1), tokens, hd, out.data() + 1, os);
+        // With a prefetch region (the rows a caller reads next: here another buffer, unaligned) the
+        // results are bit-identical to those without.
+        const std::vector<K> next(tokens * hd + 3);
+        const kvcache::kernels::prefetch_region region{next.data() + 1, (next.size() - 1) * sizeof(K)};
+        std::vector<float> out_pf(out.size(), guard);
+        for (auto [o, pf] : {std::pair{&out, kvcache::kernels::prefetch_region{}}, std::pair{&out_pf, region}}) {
+          if (f16) t.scores_f16(q.data() + 1, nq, reinterpret_cast<const half*>(k.data() + 1), tokens, hd, o->data() + 1, os, pf);
+          else t.scores_f32(q.data() + 1, nq, reinterpret_cast<const float*>(k.data() + 1), tokens, hd, o->data() + 1, os, pf);
+        }
+        ASSERT_EQ(0, std::memcmp(out.data(), out_pf.data(), out.size() * sizeof(float))) << "prefetch changed the scores";
         for (std::uint32_t i = 0; i < nq; ++i)
           for (std::size_t tt = 0; tt < os; ++tt) {
             const float got = out[1 + i * os + tt];
@@ -371,8 +380,14 @@ void check_accumulate_dense(const kernels::table& t, std::mt19937_64& rng, bool 
         std::vector<float> acc(nq * hd + 2);
         for (float& x : acc) x = nd(rng);
         const std::vector<float> acc0 = acc;
-        if (f16) t.accumulate_f16(p.data() + 1, ps, nq, reinterpret_cast<const half*>(v.data() + 1), tokens, hd, acc.data() + 1);
-        else t.accumulate_f32(p.data() + 1, ps, nq, reinterpret_cast<const float*>(v.data() + 1), tokens, hd, acc.data() + 1);
+        const std::vector<V> next(tokens * hd + 3);  // the prefetch region: see check_scores_dense
+        const kvcache::kernels::prefetch_region region{next.data() + 1, (next.size() - 1) * sizeof(V)};
+        std::vector<float> acc_pf = acc;
+        for (auto [a, pf] : {std::pair{&acc, kvcache::kernels::prefetch_region{}}, std::pair{&acc_pf, region}}) {
+          if (f16) t.accumulate_f16(p.data() + 1, ps, nq, reinterpret_cast<const half*>(v.data() + 1), tokens, hd, a->data() + 1, pf);
+          else t.accumulate_f32(p.data() + 1, ps, nq, reinterpret_cast<const float*>(v.data() + 1), tokens, hd, a->data() + 1, pf);
+        }
+        ASSERT_EQ(0, std::memcmp(acc.data(), acc_pf.data(), acc.size() * sizeof(float))) << "prefetch changed the sums";
         ASSERT_EQ(acc[0], acc0[0]);
         ASSERT_EQ(acc.back(), acc0.back());
         for (std::uint32_t i = 0; i < nq; ++i)

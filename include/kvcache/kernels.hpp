@@ -23,6 +23,15 @@ enum class q4_arith : std::uint8_t {
   int8,
 };
 
+/// Memory a dense kernel prefetches (read, into L1) while it works, a few lines per row it
+/// processes: typically the rows its caller reads next from the same stream, so that their loads
+/// are in flight during this call's arithmetic. Only a hint: never read otherwise, results do not
+/// depend on it, and an empty region ({}) prefetches nothing. It must lie within one allocation.
+struct prefetch_region {
+  const void* p = nullptr;
+  std::size_t bytes = 0;
+};
+
 /// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
 struct table {
   isa which;
@@ -49,23 +58,23 @@ struct table {
                             float* dst, std::size_t dst_stride);
 
   /// Attention scores of nq queries against `tokens` dense keys of one head:
-  /// out[i * out_stride + t] = dot(q[i * head_dim ..], k[t * head_dim ..]).
+  /// out[i * out_stride + t] = dot(q[i * head_dim ..], k[t * head_dim ..]); pf: see prefetch_region.
   /// // q [nq][head_dim] f32, k [tokens][head_dim], out [nq][out_stride]
   void (*scores_f16)(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
-                     std::uint32_t head_dim, float* out, std::size_t out_stride);
+                     std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
   void (*scores_f32)(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
-                     std::uint32_t head_dim, float* out, std::size_t out_stride);
+                     std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
   /// Scores against one Q4 key group (k = q4_block[head_dim], tokens <= 32), reading codes in
   /// place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt + sum_d q_d m_d.
   void (*scores_q4)(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
                     std::uint32_t head_dim, float* out, std::size_t out_stride);
 
-  /// Weighted accumulation: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v[t][d].
-  /// // p [nq][p_stride], v [tokens][head_dim], acc [nq][head_dim]
+  /// Weighted accumulation: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v[t][d]; pf: see
+  /// prefetch_region. // p [nq][p_stride], v [tokens][head_dim], acc [nq][head_dim]
   void (*accumulate_f16)(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
-                         std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+                         std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
   void (*accumulate_f32)(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
-                         std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+                         std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
   /// Same over Q4 values (v = q4_block[tokens][q4_value_blocks(head_dim)]), read in place:
   /// per block, acc += (p * scale) * code + p * min.
   void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,

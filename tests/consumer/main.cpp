@@ -40,7 +40,7 @@ int main() {
   std::vector<kvcache::half> keys(12);  // [token][head_dim]
   for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = kvcache::to_half(static_cast<float>(i % 4));
   float scores[3] = {};
-  k.scores_f16(q, 1, keys.data(), 3, 4, scores, 3);
+  k.scores_f16(q, 1, keys.data(), 3, 4, scores, 3, {});
   for (float s : scores) check(s == 20.0f, "scores_f16");  // 0*1 + 1*2 + 2*3 + 3*4
 
   // Error path: typed error with the offending value in the message (formatted inside kvcache::cpu).
