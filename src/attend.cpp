@@ -250,22 +250,19 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
   const kernels::table& kt = *c.kt;
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
-  const std::size_t elem = ch.k_format == format::q4 ? 0 : dense_element_bytes(ch.k_format);
-  kernels::prefetch_region next = elem == 0 ? kernels::prefetch_region{} : next_rows(kb, hd * elem, ch.tokens, off, n);
-  if (elem != 0 && next.bytes == 0) next = pf.take();
-  else if (elem != 0) pf.pump();
-  switch (ch.k_format) {
-    case format::f16:
-      kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile, next);
-      break;
-    case format::f32:
-      kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + static_cast<std::size_t>(off) * hd, n, hd, s, c.tile, next);
-      break;
-    case format::q4:  // validated: the whole chunk is one group; off == 0
-      pf.pump();
-      kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile);
-      break;
+  if (ch.k_format == format::q4) {  // validated: the whole chunk is one group; off == 0
+    pf.pump();
+    kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile);
+    return;
   }
+  kernels::prefetch_region next = next_rows(kb, hd * dense_element_bytes(ch.k_format), ch.tokens, off, n);
+  if (next.bytes == 0) next = pf.take();
+  else pf.pump();
+  const std::size_t first = static_cast<std::size_t>(off) * hd;
+  if (ch.k_format == format::f16)
+    kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
+  else
+    kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + first, n, hd, s, c.tile, next);
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
@@ -321,11 +318,11 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     switch (ch.v_format) {
       case format::f16:
         kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(next_rows(vb, std::size_t{hd} * sizeof(half), ch.tokens, o, n)));
+                          own_or_share(next_rows(vb, hd * dense_element_bytes(ch.v_format), ch.tokens, o, n)));
         break;
       case format::f32:
         kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(next_rows(vb, std::size_t{hd} * sizeof(float), ch.tokens, o, n)));
+                          own_or_share(next_rows(vb, hd * dense_element_bytes(ch.v_format), ch.tokens, o, n)));
         break;
       case format::q4:
         prefetch_stream::issue(own_or_share({}));
