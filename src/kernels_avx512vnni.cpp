@@ -9,9 +9,12 @@
 // outlier channel, whose large key scale dominates the folded query. The codes (0..15) are the
 // unsigned operand, as they are stored.
 //
-// Values stay in float (kernels_simd.inl): their weights p_t * scale_t need a scale per query,
-// block and tile, and that set-up costs as much as the float FMAs it would save (measured on
-// Zen 5: 7.0 vs 7.7 ns per token and head with one int8 part; slower with two).
+// Values (accumulate_q4) are integer too, where a token has 2, 4 or 8 blocks: per tile of 32
+// tokens, query i and block column g, the weights w_t = p_t * scale_t become u8 on a grid of
+// step = max_t p_t * max_t scale_t / 255, and vpdpbusd sums them with the codes over token quads.
+// The codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most
+// step / 2) is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. See
+// the value section below for the layout.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -211,11 +214,237 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
     }
 }
 
+// ---- values: lanes = 16 channels of a block column, dot products over token quads --------------
+
+constexpr unsigned value_tile = 32;  // tokens per set-up
+
+inline __mmask64 first_bytes(unsigned n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
+
+// Scales and minimums of the `count` (0..16) consecutive blocks b[0..count), 0 beyond: the
+// permutes of consecutive_scale_min16 over masked loads, which read no byte past the last block.
+inline void consecutive_scale_min_n(const q4_block* b, unsigned count, __m512& s, __m512& m) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(b);
+  const unsigned bytes = 20 * count;
+  auto part = [&](unsigned o) { return _mm512_maskz_loadu_epi8(first_bytes(bytes > o ? bytes - o : 0), p + o); };
+  const __m512i a = _mm512_permutex2var_epi8(part(0), _mm512_load_si512(headers_0.b), part(64));
+  const __m512i c = _mm512_permutex2var_epi8(part(128), _mm512_load_si512(headers_128.b), part(192));
+  const __m512i d = _mm512_permutexvar_epi8(_mm512_load_si512(headers_256.b), part(256));
+  __m512i sm = _mm512_mask_mov_epi32(a, __mmask16(0x1F80), c);
+  sm = _mm512_mask_mov_epi32(sm, __mmask16(0xE000), d);
+  s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));
+  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));
+}
+
+// Lane l (and every lane l' with l' % nb == l % nb) = the max / sum of the lanes l' % nb == l % nb.
+template <unsigned NB>
+inline __m512 fold_max(__m512 x) {
+  if constexpr (NB <= 8) x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  if constexpr (NB <= 4) x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  if constexpr (NB <= 2) x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  if constexpr (NB <= 1) x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return x;
+}
+template <unsigned NB>
+inline __m512 fold_add(__m512 x) {
+  if constexpr (NB <= 8) x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  if constexpr (NB <= 4) x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  if constexpr (NB <= 2) x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  if constexpr (NB <= 1) x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return x;
+}
+
+// vpermb index that orders the u8 weights of 64 consecutive blocks (block k = t * nb + g) by
+// dword (Q * nb + g) = tokens 4Q..4Q+3 of column g. Its input is packus_epi16(packus_epi32(r0, r1),
+// packus_epi32(r2, r3)) of four 16-lane vectors, which puts block 16 r + 4 L + e at byte
+// 16 L + 4 r + e (the packs work per 128-bit lane).
+constexpr byte_index make_weight_order(int nb) {
+  byte_index x{};
+  for (int o = 0; o < 64; ++o) {
+    const int i = o & 3, g = (o >> 2) % nb, quad = (o >> 2) / nb;
+    const int k = (4 * quad + i) * nb + g;
+    x.b[o] = static_cast<std::uint8_t>(16 * ((k >> 2) & 3) + 4 * (k >> 4) + (k & 3));
+  }
+  return x;
+}
+constexpr byte_index weight_order[4] = {make_weight_order(1), make_weight_order(2), make_weight_order(4),
+                                        make_weight_order(8)};
+
+// What the set-up of a tile hands the integer loop, per query i (lanes / entries g = block column).
+template <unsigned NQ>
+struct value_tile_weights {
+  alignas(64) std::int32_t w[NQ][value_tile * 8 / 4];  // u8 weights: dword Q * nb + g, tokens 4Q..4Q+3
+  alignas(64) float step[NQ][16];                       // lane g: the grid step of column g's weights
+  alignas(64) float base[NQ][16];                       // lane g: sum_t p_t (m_t + 8 s_t) - 8 step sum_t w8_t
+};
+
+// Set-up of one tile of nt (1..32) tokens, NB (1, 2, 4, 8) blocks each: lanes of vector r are the
+// blocks k = 16 r + l = t * NB + g. Weights w = p s are quantized as round(p' s') with
+// p' = p * 255 / max p and s' = s / max_t s of the column, so every u8 weight is <= 255.
+template <unsigned NQ, unsigned NB>
+void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, unsigned nt, value_tile_weights<NQ>& out) {
+  constexpr unsigned R = 2 * NB;  // vectors of 16 blocks in a full tile
+  constexpr unsigned shift = NB == 1 ? 0 : NB == 2 ? 1 : NB == 4 ? 2 : 3;
+  const unsigned nk = nt * NB;
+  __m512 sn[R], m8[R], smax = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (unsigned r = 0; r < R; ++r) {
+    __m512 s, m;
+    if (16 * r + 16 <= nk) consecutive_scale_min16(tile + 16 * r, s, m);
+    else consecutive_scale_min_n(tile + 16 * r, nk > 16 * r ? nk - 16 * r : 0, s, m);
+    m8[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
+    sn[r] = s;
+    smax = _mm512_max_ps(smax, s);
+  }
+  const __m512 smax_g = fold_max<NB>(smax);
+  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax_g, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(1.0f), smax_g);
+#pragma GCC unroll 16
+  for (unsigned r = 0; r < R; ++r) sn[r] = _mm512_mul_ps(sn[r], inv);
+  const __m512i token_of_lane = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift);
+  const __m512i order = _mm512_load_si512(weight_order[shift].b);
+  for (unsigned i = 0; i < NQ; ++i) {
+    const float* pi = p + i * p_stride;
+    __m512 plo = _mm512_maskz_loadu_ps(first(nt), pi);
+    __m512 phi = _mm512_maskz_loadu_ps(first(nt > 16 ? nt - 16 : 0), pi + 16);
+    const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(plo, phi));
+    const float step = pmax / 255.0f;
+    // p' = 255 p / pmax, divided first: 255 / pmax overflows for pmax below ~2^-120.
+    const __m512 pm = _mm512_set1_ps(pmax > 0.0f ? pmax : 1.0f), c255 = _mm512_set1_ps(255.0f);
+    plo = _mm512_mul_ps(_mm512_div_ps(plo, pm), c255);
+    phi = _mm512_mul_ps(_mm512_div_ps(phi, pm), c255);
+    __m512 bsum = _mm512_setzero_ps();
+    __m512i wsum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (unsigned c = 0; c < (R + 3) / 4; ++c) {
+      __m512i w8[4];
+#pragma GCC unroll 4
+      for (unsigned u = 0; u < 4; ++u) {
+        const unsigned r = 4 * c + u;
+        if (r < R) {
+          const __m512i idx = _mm512_add_epi32(token_of_lane, _mm512_set1_epi32(static_cast<int>((16 * r) >> shift)));
+          const __m512 pv = _mm512_permutex2var_ps(plo, idx, phi);  // p' of each block's token
+          w8[u] = _mm512_cvtps_epi32(_mm512_mul_ps(pv, sn[r]));
+          bsum = _mm512_fmadd_ps(pv, m8[r], bsum);
+        } else {
+          w8[u] = _mm512_setzero_si512();
+        }
+      }
+      const __m512i wv = _mm512_permutexvar_epi8(
+          order, _mm512_packus_epi16(_mm512_packus_epi32(w8[0], w8[1]), _mm512_packus_epi32(w8[2], w8[3])));
+      _mm512_store_si512(out.w[i] + 16 * c, wv);
+      dpbusd(wsum, wv, _mm512_set1_epi8(1));
+    }
+    const __m512 st = _mm512_mul_ps(smax_g, _mm512_set1_ps(step));
+    _mm512_store_ps(out.step[i], st);
+    // base = step * sum p' (m + 8 s) - 8 * step_g * sum w8: the 8 s of the centred codes back.
+    const __m512 wsf = fold_add<NB>(_mm512_cvtepi32_ps(wsum));
+    _mm512_store_ps(out.base[i], _mm512_fmsub_ps(fold_add<NB>(bsum), _mm512_set1_ps(step),
+                                                 _mm512_mul_ps(_mm512_mul_ps(wsf, st), _mm512_set1_ps(8.0f))));
+  }
+}
+
+// acc[i][0..ch) of column g += the tile's sum_t p_t v_t: nt tokens from block b (stride nb blocks).
+// Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
+template <unsigned NQ>
+__attribute__((noinline)) void value_column(const q4_block* b, std::size_t nb, unsigned nt, const std::int32_t* w,
+                                            std::size_t w_stride, unsigned ch, const float* step, const float* base,
+                                            std::size_t sb_stride, float* acc, std::size_t acc_stride) {
+  const __m512i tp = _mm512_load_si512(transpose.b);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512i a0[NQ], a1[NQ];
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
+  auto quad = [&](__m512i x, unsigned q) __attribute__((always_inline)) {
+    x = _mm512_permutexvar_epi8(tp, x);  // dword c: code byte c of the four tokens
+    const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512i wi = _mm512_set1_epi32(w[i * w_stride + q * nb]);
+      dpbusd(a0[i], wi, lo);
+      dpbusd(a1[i], wi, hi);
+    }
+  };
+  auto row = [](const q4_block* x) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(x->codes)); };
+  auto zero = [] { return _mm_load_si128(reinterpret_cast<const __m128i*>(zero_codes)); };
+  unsigned j = 0;
+  for (; j + 4 <= nt; j += 4, b += 4 * nb) {
+    __m512i x = _mm512_castsi128_si512(row(b));
+    x = _mm512_inserti32x4(x, row(b + nb), 1);
+    x = _mm512_inserti32x4(x, row(b + 2 * nb), 2);
+    x = _mm512_inserti32x4(x, row(b + 3 * nb), 3);
+    quad(x, j / 4);
+  }
+  if (j < nt) {
+    __m512i x = _mm512_castsi128_si512(row(b));
+    x = _mm512_inserti32x4(x, j + 1 < nt ? row(b + nb) : zero(), 1);
+    x = _mm512_inserti32x4(x, j + 2 < nt ? row(b + 2 * nb) : zero(), 2);
+    x = _mm512_inserti32x4(x, j + 3 < nt ? row(b + 3 * nb) : zero(), 3);
+    quad(x, j / 4);
+  }
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    const __m512 st = _mm512_set1_ps(step[i * sb_stride]), bs = _mm512_set1_ps(base[i * sb_stride]);
+    float* o = acc + i * acc_stride;
+    const __mmask16 m0 = first(lanes(ch, 0)), m1 = first(lanes(ch, 1));
+    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), st, bs)));
+    _mm512_mask_storeu_ps(o + 16, m1,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), st, bs)));
+  }
+}
+
+template <unsigned NQ, unsigned NB>
+void values_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc) {
+  value_tile_weights<NQ> tw;
+  for (unsigned t0 = 0; t0 < tokens; t0 += value_tile) {
+    const unsigned nt = tokens - t0 < value_tile ? tokens - t0 : value_tile;
+    const q4_block* tile = v + static_cast<std::size_t>(t0) * NB;
+    value_setup<NQ, NB>(p + t0, p_stride, tile, nt, tw);
+    for (unsigned g = 0; g < NB; ++g) {
+      const unsigned ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
+      value_column<NQ>(tile + g, NB, nt, &tw.w[0][g], sizeof tw.w[0] / sizeof(std::int32_t), ch, &tw.step[0][g],
+                       &tw.base[0][g], 16, acc + 32 * g, hd);
+    }
+  }
+}
+
+template <unsigned NQ>
+void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc) {
+  switch (q4_value_blocks(hd)) {
+    case 2: values_nq<NQ, 2>(p, p_stride, v, tokens, hd, acc); break;
+    case 4: values_nq<NQ, 4>(p, p_stride, v, tokens, hd, acc); break;
+    default: values_nq<NQ, 8>(p, p_stride, v, tokens, hd, acc); break;
+  }
+}
+
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride) {
   scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride);
+}
+
+}  // namespace kvcache::kernels::avx512vnni
+
+namespace kvcache::kernels::avx512vnni {
+
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v, std::uint32_t tokens,
+                   std::uint32_t head_dim, float* acc) {
+  if (tokens == 0) return;
+  const std::uint32_t nb = q4_value_blocks(head_dim);
+  if (nb != 2 && nb != 4 && nb != 8) {  // float: head_dim <= 32 (slower in int8: 2.2 vs 1.9 ns per token), 80, 96, 160, ..., > 256
+    avx512::float_q4().accumulate_q4(p, p_stride, nq, v, tokens, head_dim, acc);
+    return;
+  }
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* pi = p + i0 * p_stride;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: values_nb<1>(pi, p_stride, v, tokens, head_dim, a); break;
+      case 2: values_nb<2>(pi, p_stride, v, tokens, head_dim, a); break;
+      case 3: values_nb<3>(pi, p_stride, v, tokens, head_dim, a); break;
+      default: values_nb<4>(pi, p_stride, v, tokens, head_dim, a); break;
+    }
+  }
 }
 
 }  // namespace kvcache::kernels::avx512vnni

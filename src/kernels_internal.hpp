@@ -28,13 +28,18 @@ namespace scalar { const table& get() noexcept; }
 // always the float Q4 kernels.
 using scores_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
                           std::uint32_t head_dim, float* out, std::size_t out_stride);
+using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
+                              std::uint32_t tokens, std::uint32_t head_dim, float* acc);
 #if defined(KVCACHE_HAVE_AVX2)
 namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }
 namespace avx2vnni { scores_q4_fn scores_q4; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
 namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; }
-namespace avx512vnni { scores_q4_fn scores_q4; }
+namespace avx512vnni {
+scores_q4_fn scores_q4;
+accumulate_q4_fn accumulate_q4;
+}
 #endif
 #if defined(KVCACHE_HAVE_NEON)
 namespace neon { const table& get() noexcept; }

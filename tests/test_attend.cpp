@@ -379,11 +379,28 @@ constexpr double arithmetic_tol = 2e-5;
 // relative. Worst seen 4.7e-5 of max|V|; 2e-4 keeps a ~4x margin.
 constexpr double int8_tol = 2e-4;
 
+// The int8 Q4 value sums (kernels::q4_arith::int8: AVX-512 VNNI and VBMI, head_dim 33..64, 97..128,
+// 225..256) round each weight p_t * s_t of a 32-token tile to a u8 grid of max p * max s / 255:
+// half a step times |code - 8| <= 8 is 0.0157 max p * max s per token, and max|V| >= 7.5 s of a
+// block, so a token carries at most 2.1e-3 of max|V| per unit of the tile's largest weight. A
+// few such tokens add up where attention is flat over a short history: worst seen 4.6e-3 here
+// and 7.1e-3 on the toy model (test_examples); 1.5e-2 keeps a 2x margin. Relative to the Q4
+// rounding itself (half a code step, 0.5 s, per token) this is 3% at the tile's largest weight;
+// the error against the unquantized inputs does not move (q4_error_against_unquantized_keys...).
+constexpr double int8_values_tol = 1.5e-2;
+
 bool has_q4(pattern p) { return p == pattern::two_tier || p == pattern::q4_only || p == pattern::mixed; }
 
 // The tolerance of a case over the stored values, for the active kernels.
-double tolerance(pattern p) {
-  return has_q4(p) && kvcache::kernels::active().q4 == kvcache::kernels::q4_arith::int8 ? int8_tol : arithmetic_tol;
+bool int8_values(std::uint32_t head_dim) {
+  const std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
+  return kvcache::kernels::active().q4_values == kvcache::kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+}
+
+double tolerance(pattern p, std::uint32_t head_dim) {
+  if (!has_q4(p)) return arithmetic_tol;
+  if (int8_values(head_dim)) return int8_values_tol;
+  return kvcache::kernels::active().q4 == kvcache::kernels::q4_arith::int8 ? int8_tol : arithmetic_tol;
 }
 
 class attend_isa : public ::testing::TestWithParam<isa> {};
@@ -400,7 +417,7 @@ TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
         if (s.q_heads == 32 && n % 16 != 1) continue;  // big shape: a subset of lengths
         const case_result r = run_case(rng, s, p, {n, n / 2 + 1, 1});
         ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
-        EXPECT_LE(r.vs_eff.max_rel, tolerance(p))
+        EXPECT_LE(r.vs_eff.max_rel, tolerance(p, s.head_dim))
             << name(p) << " n=" << n << " q_heads=" << s.q_heads << " kv_heads=" << s.kv_heads << " head_dim=" << s.head_dim;
         worst = std::max(worst, r.vs_eff.max_rel);
       }
@@ -418,7 +435,7 @@ TEST_P(attend_isa, long_contexts) {
     if (emulated() && p != pattern::paged16_f16 && p != pattern::two_tier) continue;
     const case_result r = run_case(rng, {32, 8, 128}, p, {4096}, 2);
     ASSERT_TRUE(r.vs_eff.finite) << name(p);
-    EXPECT_LE(r.vs_eff.max_rel, tolerance(p)) << name(p);
+    EXPECT_LE(r.vs_eff.max_rel, tolerance(p, 128)) << name(p);
   }
 }
 
@@ -456,7 +473,7 @@ TEST_P(attend_isa, q4_error_against_unquantized_keys_with_outlier_channels) {
     std::printf("[ %s ] %s 4096 tokens, keys with outlier channels: relative L2 error %.4f vs f32 inputs\n",
                 std::string(kvcache::to_string(GetParam())).c_str(), name(p), r.rel_l2_orig);
     EXPECT_LE(r.rel_l2_orig, 2e-2) << name(p);  // DESIGN.md section 3 target
-    EXPECT_LE(r.vs_eff.max_rel, tolerance(p)) << name(p);
+    EXPECT_LE(r.vs_eff.max_rel, tolerance(p, 128)) << name(p);
   }
 }
 
@@ -558,7 +575,7 @@ void decode_view(const layer_view& v, std::uint32_t H, std::uint32_t D, std::vec
 // does), attends over their views, and checks against float64 attention over the views'
 // decoded values and, loosely, over the written f32 values.
 template <class C>
-void check_cache(C& cache, const char* what, double tol_vs_written) {
+void check_cache(C& cache, const char* what, double tol_vs_written, double tol_vs_views = arithmetic_tol) {
   std::mt19937 rng(11);
   const kvcache::geometry g = cache.shape();
   const std::uint32_t q_heads = g.kv_heads * 4;
@@ -613,7 +630,7 @@ void check_cache(C& cache, const char* what, double tol_vs_written) {
       err = std::max(err, std::abs(out[i * row + j] - ref[j]) / vmax);
       err_w = std::max(err_w, std::abs(out[i * row + j] - exact[j]) / vmax);
     }
-    EXPECT_LE(err, arithmetic_tol) << what << " tokens=" << n;
+    EXPECT_LE(err, tol_vs_views) << what << " tokens=" << n;
     EXPECT_LE(err_w, tol_vs_written) << what << " tokens=" << n;
   }
 }
@@ -650,7 +667,7 @@ TEST_P(attend_isa, over_every_real_cache) {
     tc.key_format = st.k;
     tc.value_format = st.v;
     auto cache = kvcache::two_tier_cache<>::create(tc).value();
-    check_cache(cache, st.what, st.tol);
+    check_cache(cache, st.what, st.tol, st.v == format::q4 && int8_values(g.head_dim) ? int8_values_tol : arithmetic_tol);
   }
 }
 

@@ -500,17 +500,29 @@ TEST_P(Kernels, AccumulateQ4) {
         t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1);
         ASSERT_EQ(acc[0], acc0[0]);
         ASSERT_EQ(acc.back(), acc0.back());
+        // int8 values where the table has them at this head_dim (kernels.hpp, q4_arith::int8).
+        const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
         for (std::uint32_t i = 0; i < nq; ++i)
           for (std::uint32_t d = 0; d < hd; ++d) {
             const q4_block* col = vb.data() + 1 + d / 32;  // block of channel d, token 0; stride nb
-            double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
-            for (std::uint32_t tt = 0; tt < tokens; ++tt) {
-              double m;
-              const double vv = code_value(col[tt * nb], d % 32, &m);
-              ref += p[1 + i * ps + tt] * vv;
-              mag += p[1 + i * ps + tt] * m;
+            double ref = acc0[1 + i * hd + d], mag = std::abs(ref), weights = 0;
+            for (std::uint32_t t0 = 0; t0 < tokens; t0 += 32) {
+              // The int8 bound per tile of 32 tokens: u8 weights on a grid of max p * max scale / 255,
+              // each off by at most half a step (and a little float rounding), times |code - 8|.
+              double pmax = 0, smax = 0, centred = 0;
+              for (std::uint32_t tt = t0; tt < std::min(tokens, t0 + 32); ++tt) {
+                double m;
+                const double vv = code_value(col[tt * nb], d % 32, &m);
+                const double pt = p[1 + i * ps + tt], st = kvcache::to_float(col[tt * nb].scale);
+                ref += pt * vv;
+                mag += pt * (m + 16.0 * st);  // int8: also |s (c - 8)| and |m + 8 s|
+                pmax = std::max(pmax, pt);
+                smax = std::max(smax, st);
+                centred += std::abs(kvcache::q4_code(col[tt * nb], d % 32) - 8.0);
+              }
+              weights += (0.5 + 1e-4) * pmax * smax / 255.0 * centred;
             }
-            const double tol = 3.0 * (tokens + 2) * eps32 * mag + 1e-30;  // float in every table
+            const double tol = 3.0 * (tokens + 2) * eps32 * mag + (int8 ? weights : 0.0) + 1e-30;
             ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
           }
       }

@@ -13,13 +13,18 @@
 
 namespace kvcache::kernels {
 
-/// How a table computes its Q4 key scores (scores_q4). accumulate_q4 is float in every table.
+/// How a table computes its Q4 key scores (table::q4) and Q4 value sums (table::q4_values).
 enum class q4_arith : std::uint8_t {
   /// Codes converted to floats, float FMAs with the scales folded in: error of float rounding.
   float32,
   /// Integer dot products of the codes with the folded query q_d * scale_d split per query as
   /// scale * (hi + lo / 254), hi and lo int8: at most max_d |q_d scale_d| / (2 * 127 * 254) of
   /// error per channel, times its code. AVX-512 with VNNI and VBMI; AVX2 with AVX-VNNI.
+  /// Values (AVX-512 with VNNI and VBMI, where a token has 2, 4 or 8 value blocks: head_dim
+  /// 33..64, 97..128 or 225..256; float otherwise): per tile of 32 tokens, query
+  /// and block column g, the weights w_t = p_t * scale_t are rounded to u8 on a grid of
+  /// step = max_t p_t * max_t scale_t / 255 and multiply the centred codes c - 8: at most
+  /// step / 2 * |c_t - 8| of error per token and channel.
   int8,
 };
 
@@ -82,6 +87,8 @@ struct table {
 
   /// The arithmetic of scores_q4.
   q4_arith q4 = q4_arith::float32;
+  /// The arithmetic of accumulate_q4 (int8 only for some head_dims: see q4_arith::int8).
+  q4_arith q4_values = q4_arith::float32;
 };
 
 /// The table of the active ISA (see isa.hpp).
