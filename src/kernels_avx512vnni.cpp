@@ -308,10 +308,12 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
     __m512 phi = _mm512_maskz_loadu_ps(first(nt > 16 ? nt - 16 : 0), pi + 16);
     const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(plo, phi));
     const float step = pmax / 255.0f;
-    // p' = 255 p / pmax, divided first: 255 / pmax overflows for pmax below ~2^-120.
-    const __m512 pm = _mm512_set1_ps(pmax > 0.0f ? pmax : 1.0f), c255 = _mm512_set1_ps(255.0f);
-    plo = _mm512_mul_ps(_mm512_div_ps(plo, pm), c255);
-    phi = _mm512_mul_ps(_mm512_div_ps(phi, pm), c255);
+    // p' = p * 255 / pmax; below 2^-100, p is scaled by 2^100 first (exact), since 255 / pmax
+    // overflows for pmax below ~2^-120.
+    const float big = pmax < 0x1p-100f ? 0x1p100f : 1.0f;
+    const __m512 kb = _mm512_set1_ps(big), k = _mm512_set1_ps(pmax > 0.0f ? 255.0f / (pmax * big) : 0.0f);
+    plo = _mm512_mul_ps(_mm512_mul_ps(plo, kb), k);
+    phi = _mm512_mul_ps(_mm512_mul_ps(phi, kb), k);
     __m512 bsum = _mm512_setzero_ps();
     __m512i wsum = _mm512_setzero_si512();
 #pragma GCC unroll 4
