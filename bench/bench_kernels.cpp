@@ -186,7 +186,7 @@ void scores_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
     for (std::uint32_t h = 0; h < heads; ++h)
       for (std::uint32_t g = 0; g < ctx_groups; ++g)
         t->scores_q4(q.as<float>(), nq, k + (std::size_t{h} * ctx_groups + g) * head_dim, 32, head_dim,
-                     out.as<float>() + g * 32, ctx_tokens);
+                     out.as<float>() + g * 32, ctx_tokens, {});
     benchmark::ClobberMemory();
   }
   s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_groups * head_dim * sizeof(q4_block)));
@@ -201,7 +201,7 @@ void accumulate_q4(benchmark::State& s, const kernels::table* t, std::uint32_t n
   for (auto _ : s) {
     for (std::uint32_t h = 0; h < heads; ++h)
       t->accumulate_q4(p.as<float>(), ctx_tokens, nq, v + std::size_t{h} * ctx_tokens * nb, ctx_tokens, head_dim,
-                       acc.as<float>());
+                       acc.as<float>(), {});
     benchmark::ClobberMemory();
   }
   s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens * nb * sizeof(q4_block)));

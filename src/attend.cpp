@@ -177,7 +177,7 @@ class prefetch_stream {
     const std::size_t lines = (hb - ha) * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
     per_call_ = (lines * 5 / 4 + calls - 1) / std::max<std::uint32_t>(calls, 1);
   }
-  // Issues one call's share of lines now (before a kernel that takes no prefetch region).
+  // Issues one call's share of lines now (for a call whose kernel prefetches rows of its own).
   void pump() {
     if (a_ != nullptr) pump_lines(per_call_);
   }
@@ -251,8 +251,7 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
   if (ch.k_format == format::q4) {  // validated: the whole chunk is one group; off == 0
-    pf.pump();
-    kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile);
+    kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile, pf.take());
     return;
   }
   kernels::prefetch_region next = next_rows(kb, hd * dense_element_bytes(ch.k_format), ch.tokens, off, n);
@@ -268,8 +267,8 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers.
-// The call's share of the prefetch stream pf goes to the first dense kernel that has no next rows
-// of its own to prefetch (or is issued before a Q4 one).
+// The call's share of the prefetch stream pf goes to the first kernel that has no next rows of its
+// own to prefetch (Q4 chunks never have: a chunk is one group).
 void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
@@ -325,8 +324,8 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
                           own_or_share(next_rows(vb, hd * dense_element_bytes(ch.v_format), ch.tokens, o, n)));
         break;
       case format::q4:
-        prefetch_stream::issue(own_or_share({}));
-        kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc);
+        kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc,
+                         own_or_share({}));
         break;
     }
     done += n;

@@ -28,6 +28,7 @@ namespace {
 
 #include "avx2_horizontal.inl"
 #include "q4_headers.inl"
+#include "row_prefetch.inl"
 #include "q4_int8.inl"
 
 alignas(16) constexpr std::uint8_t zero_codes[16] = {};
@@ -96,7 +97,8 @@ inline __m256i dword_of(const std::int8_t* p) {
 }
 
 template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride) {
+void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               row_prefetch* pf) {
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
   __m256 qmax[NQ], mterm[NQ];
   for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = _mm256_setzero_ps();
@@ -156,7 +158,9 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
     for (unsigned i = 0; i < NQ; ++i) {
       __m256i h0 = acc[i][0][0], h1 = acc[i][0][1], h2 = acc[i][0][2], h3 = acc[i][0][3];
       __m256i l0 = acc[i][1][0], l1 = acc[i][1][1], l2 = acc[i][1][2], l3 = acc[i][1][3];
+      row_prefetch* f = i == 0 ? pf : nullptr;  // spread over the first query's quads
       for (unsigned j = 0; j < quads; ++j) {
+        if (f != nullptr) f->rows(1);
         const __m256i wh = dword_of(qh[i] + 4 * j), wl = dword_of(ql[i] + 4 * j);
         const __m256i t0 = _mm256_load_si256(&codes[j][0]), t1 = _mm256_load_si256(&codes[j][1]);
         const __m256i t2 = _mm256_load_si256(&codes[j][2]), t3 = _mm256_load_si256(&codes[j][3]);
@@ -197,8 +201,8 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride) {
-  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride);
+               float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
 }  // namespace kvcache::kernels::avx2vnni

@@ -30,6 +30,7 @@
 namespace kvcache::kernels::avx512vnni {
 namespace {
 
+#include "row_prefetch.inl"
 #include "q4_int8.inl"
 
 // vpermb index that turns four 16-byte rows (one per 128-bit lane) into 16 dwords, dword t holding
@@ -148,7 +149,8 @@ inline __m512 combine(__m512i hi, __m512i lo) {
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
 template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride) {
+void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               row_prefetch* pf) {
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
   __m512 qmax[NQ], mterm[NQ];
   for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = _mm512_setzero_ps();
@@ -187,6 +189,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       }
     }
     for (unsigned c = 0; c < nd; c += 4) {
+      if (pf != nullptr) pf->rows(1);
       const q4_block* b = k + c0 + c;
       __m512i lo, hi;
       if (c + 4 <= nd) {
@@ -350,13 +353,14 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
 template <unsigned NQ>
 __attribute__((noinline)) void value_column(const q4_block* b, std::size_t nb, unsigned nt, const std::int32_t* w,
                                             std::size_t w_stride, unsigned ch, const float* step, const float* base,
-                                            std::size_t sb_stride, float* acc, std::size_t acc_stride) {
+                                            std::size_t sb_stride, float* acc, std::size_t acc_stride, row_prefetch* pf) {
   const __m512i tp = _mm512_load_si512(transpose.b);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512i a0[NQ], a1[NQ];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
   auto quad = [&](__m512i x, unsigned q) __attribute__((always_inline)) {
+    if (pf != nullptr) pf->rows(1);
     x = _mm512_permutexvar_epi8(tp, x);  // dword c: code byte c of the four tokens
     const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
 #pragma GCC unroll 8
@@ -395,7 +399,8 @@ __attribute__((noinline)) void value_column(const q4_block* b, std::size_t nb, u
 }
 
 template <unsigned NQ, unsigned NB>
-void values_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc) {
+void values_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc,
+               row_prefetch* pf) {
   value_tile_weights<NQ> tw;
   for (unsigned t0 = 0; t0 < tokens; t0 += value_tile) {
     const unsigned nt = tokens - t0 < value_tile ? tokens - t0 : value_tile;
@@ -404,25 +409,26 @@ void values_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned
     for (unsigned g = 0; g < NB; ++g) {
       const unsigned ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
       value_column<NQ>(tile + g, NB, nt, &tw.w[0][g], sizeof tw.w[0] / sizeof(std::int32_t), ch, &tw.step[0][g],
-                       &tw.base[0][g], 16, acc + 32 * g, hd);
+                       &tw.base[0][g], 16, acc + 32 * g, hd, pf);
     }
   }
 }
 
 template <unsigned NQ>
-void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc) {
+void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc,
+               row_prefetch* pf) {
   switch (q4_value_blocks(hd)) {
-    case 2: values_nq<NQ, 2>(p, p_stride, v, tokens, hd, acc); break;
-    case 4: values_nq<NQ, 4>(p, p_stride, v, tokens, hd, acc); break;
-    default: values_nq<NQ, 8>(p, p_stride, v, tokens, hd, acc); break;
+    case 2: values_nq<NQ, 2>(p, p_stride, v, tokens, hd, acc, pf); break;
+    case 4: values_nq<NQ, 4>(p, p_stride, v, tokens, hd, acc, pf); break;
+    default: values_nq<NQ, 8>(p, p_stride, v, tokens, hd, acc, pf); break;
   }
 }
 
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride) {
-  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride);
+               float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
 }  // namespace kvcache::kernels::avx512vnni
@@ -430,21 +436,22 @@ void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_
 namespace kvcache::kernels::avx512vnni {
 
 void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v, std::uint32_t tokens,
-                   std::uint32_t head_dim, float* acc) {
+                   std::uint32_t head_dim, float* acc, prefetch_region pf) {
   if (tokens == 0) return;
   const std::uint32_t nb = q4_value_blocks(head_dim);
   if (nb != 2 && nb != 4 && nb != 8) {  // float: head_dim <= 32 (slower in int8: 2.2 vs 1.9 ns per token), 80, 96, 160, ..., > 256
-    avx512::float_q4().accumulate_q4(p, p_stride, nq, v, tokens, head_dim, acc);
+    avx512::float_q4().accumulate_q4(p, p_stride, nq, v, tokens, head_dim, acc, pf);
     return;
   }
+  row_prefetch rp(pf, nb * ((tokens + 3) / 4));  // per token quad of a column, in the first queries' pass
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* pi = p + i0 * p_stride;
     float* a = acc + static_cast<std::size_t>(i0) * head_dim;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: values_nb<1>(pi, p_stride, v, tokens, head_dim, a); break;
-      case 2: values_nb<2>(pi, p_stride, v, tokens, head_dim, a); break;
-      case 3: values_nb<3>(pi, p_stride, v, tokens, head_dim, a); break;
-      default: values_nb<4>(pi, p_stride, v, tokens, head_dim, a); break;
+      case 1: values_nb<1>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
+      case 2: values_nb<2>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
+      case 3: values_nb<3>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
+      default: values_nb<4>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
     }
   }
 }

@@ -103,7 +103,7 @@ void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t 
 }
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
-               std::uint32_t head_dim, float* out, std::size_t out_stride) {
+               std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   for (std::uint32_t i = 0; i < nq; ++i) {
     float acc[q4_group] = {};
     float folded_min = 0.0f;
@@ -138,7 +138,7 @@ void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, cons
 }
 
 void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
-                   std::uint32_t tokens, std::uint32_t head_dim, float* acc) {
+                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region) {
   const std::uint32_t nb = q4_value_blocks(head_dim);
   for (std::uint32_t i = 0; i < nq; ++i)
     for (std::uint32_t t = 0; t < tokens; ++t) {

@@ -23,20 +23,24 @@ inline query_split split_of(float max_abs, float min_term) {
 
 // Scores of NQ (1..4) queries over one key group: defined by the including file.
 template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride);
+void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               row_prefetch* pf);
 
 // The table entry (kernels::table::scores_q4): the queries four at a time.
+// pf is spread over the channel quads of the first four queries.
 inline void scores_q4_by_four(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
-                              std::uint32_t head_dim, float* out, std::size_t out_stride) {
+                              std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
   if (tokens == 0) return;
+  row_prefetch rp(pf, (head_dim + 3) / 4);
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
     float* o = out + i0 * out_stride;
+    row_prefetch* f = i0 == 0 ? &rp : nullptr;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride); break;
-      case 3: scores_nq<3>(qi, k, tokens, head_dim, o, out_stride); break;
-      default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride); break;
+      case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride, f); break;
+      case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride, f); break;
+      case 3: scores_nq<3>(qi, k, tokens, head_dim, o, out_stride, f); break;
+      default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride, f); break;
     }
   }
 }

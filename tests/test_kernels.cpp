@@ -454,7 +454,13 @@ TEST_P(Kernels, ScoresQ4) {
         const std::size_t os = 37;
         const float guard = -999.0f;
         std::vector<float> out(nq * os + 1, guard);
-        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os);
+        // With a prefetch region (another group's blocks, unaligned) the scores are bit-identical.
+        const std::vector<q4_block> next(hd + 2);
+        const kvcache::kernels::prefetch_region region{next.data() + 1, hd * sizeof(q4_block) + 3};
+        std::vector<float> out_pf(out.size(), guard);
+        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os, {});
+        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out_pf.data(), os, region);
+        ASSERT_EQ(0, std::memcmp(out.data(), out_pf.data(), out.size() * sizeof(float))) << "prefetch changed the scores";
         for (std::uint32_t i = 0; i < nq; ++i) {
           double qmax = 0;  // max |q_d s_d|: the int8 split's operand
           for (std::uint32_t d = 0; d < hd; ++d)
@@ -497,7 +503,12 @@ TEST_P(Kernels, AccumulateQ4) {
         std::vector<float> acc(nq * hd + 2);
         for (float& x : acc) x = normal();
         const std::vector<float> acc0 = acc;
-        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1);
+        const std::vector<q4_block> next(tokens * nb + 2);  // prefetch region: see ScoresQ4
+        const kvcache::kernels::prefetch_region region{next.data() + 1, tokens * nb * sizeof(q4_block) + 3};
+        std::vector<float> acc_pf = acc;
+        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1, {});
+        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc_pf.data() + 1, region);
+        ASSERT_EQ(0, std::memcmp(acc.data(), acc_pf.data(), acc.size() * sizeof(float))) << "prefetch changed the sums";
         ASSERT_EQ(acc[0], acc0[0]);
         ASSERT_EQ(acc.back(), acc0.back());
         // int8 values where the table has them at this head_dim (kernels.hpp, q4_arith::int8).

@@ -70,9 +70,10 @@ struct table {
   void (*scores_f32)(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
                      std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
   /// Scores against one Q4 key group (k = q4_block[head_dim], tokens <= 32), reading codes in
-  /// place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt + sum_d q_d m_d.
+  /// place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt + sum_d q_d m_d;
+  /// pf: see prefetch_region (spread over the channels).
   void (*scores_q4)(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
-                    std::uint32_t head_dim, float* out, std::size_t out_stride);
+                    std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
 
   /// Weighted accumulation: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v[t][d]; pf: see
   /// prefetch_region. // p [nq][p_stride], v [tokens][head_dim], acc [nq][head_dim]
@@ -81,9 +82,9 @@ struct table {
   void (*accumulate_f32)(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
                          std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
   /// Same over Q4 values (v = q4_block[tokens][q4_value_blocks(head_dim)]), read in place:
-  /// per block, acc += (p * scale) * code + p * min.
+  /// per block, acc += (p * scale) * code + p * min; pf: see prefetch_region.
   void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
-                        std::uint32_t tokens, std::uint32_t head_dim, float* acc);
+                        std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
 
   /// The arithmetic of scores_q4.
   q4_arith q4 = q4_arith::float32;
