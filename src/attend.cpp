@@ -580,7 +580,9 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 
   const std::uint32_t group = p.q_heads / p.kv_heads;
   const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-  const kernels::table& kt = kernels::active();
+  const kernels::table* float_q4 =
+      p.q4 == kernels::q4_arith::float32 ? kernels::find(kernels::active().which, kernels::q4_arith::float32) : nullptr;
+  const kernels::table& kt = float_q4 != nullptr ? *float_q4 : kernels::active();
   detail::softmax_tile_fn softmax = detail::attend_generic::softmax_tile;
 #if defined(KVCACHE_HAVE_AVX2)
   if (kt.which == isa::avx2) softmax = detail::attend_avx2::softmax_tile;

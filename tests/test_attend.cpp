@@ -327,7 +327,7 @@ struct case_result {
 
 case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<std::uint32_t>& lengths,
                      unsigned threads = 1, float q_sigma = 1.0f, float scale = 0.0f, bool realistic = false,
-                     float key_scale = 1.0f) {
+                     float key_scale = 1.0f, kvcache::kernels::q4_arith q4 = kvcache::kernels::q4_arith::int8) {
   std::vector<built_view> views;
   std::vector<layer_view> lv;
   for (std::uint32_t n : lengths) {
@@ -338,7 +338,7 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
   const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;
   const std::vector<float> q = random_q(rng, row * lengths.size(), q_sigma);
   std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
-  attention_params prm{s.q_heads, s.kv_heads, s.head_dim, scale, threads, {}};
+  attention_params prm{s.q_heads, s.kv_heads, s.head_dim, scale, threads, {}, q4};
   attention_workspace ws;
   const auto r = kvcache::attend(prm, lv, q, out, ws);
   EXPECT_TRUE(r.has_value()) << (r.has_value() ? "" : r.error().message);
@@ -427,6 +427,20 @@ TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
 
 // Under qemu (KVCACHE_TEST_EMULATED=1, scripts/cross_aarch64.sh) the long cases are cut down.
 bool emulated() { return std::getenv("KVCACHE_TEST_EMULATED") != nullptr; }
+
+// attention_params::q4 = float32 takes the float Q4 kernels on every CPU: the error over the stored
+// values is then float rounding alone, where the int8 kernels (VNNI CPUs) measure up to ~5e-3.
+TEST_P(attend_isa, float_q4_arithmetic_is_within_float_rounding) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(5);
+  for (const shape s : {shape{32, 8, 128}, shape{4, 2, 64}, shape{6, 2, 40}})
+    for (pattern p : {pattern::two_tier, pattern::q4_only, pattern::mixed})
+      for (std::uint32_t n : {33u, 300u}) {
+        const case_result r = run_case(rng, s, p, {n, n / 2 + 1}, 1, 1.0f, 0.0f, false, 1.0f, kvcache::kernels::q4_arith::float32);
+        ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
+        EXPECT_LE(r.vs_eff.max_rel, arithmetic_tol) << name(p) << " n=" << n << " head_dim=" << s.head_dim;
+      }
+}
 
 TEST_P(attend_isa, long_contexts) {
   isa_scope scope(GetParam());

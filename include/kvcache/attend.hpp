@@ -11,6 +11,7 @@
 ///   auto r = kvcache::attend(p, views, q, out, ws);        // views[s] = cache.view(seq_s, layer)
 
 #include <kvcache/error.hpp>
+#include <kvcache/kernels.hpp>
 #include <kvcache/view.hpp>
 
 #include <cstddef>
@@ -42,6 +43,10 @@ struct attention_params {
   float scale = 0.0f;          ///< multiplies q.k before the softmax; 0 means 1 / sqrt(head_dim)
   unsigned threads = 1;        ///< threads of attend's own pool (the caller included); ignored when pool.run is set
   parallel_for pool{};         ///< the engine's thread pool, if any
+  /// Arithmetic over Q4 chunks. int8: the fastest the CPU has (integer key scores and value sums
+  /// where it has VNNI, see kernels::q4_arith; float elsewhere). float32: float on every CPU,
+  /// within float rounding of attention over the dequantized values, at about 1.3x the Q4 cost.
+  kernels::q4_arith q4 = kernels::q4_arith::int8;
 };
 
 /// Reusable scratch and worker threads of attend(). Grows on first use for a given shape and
