@@ -232,6 +232,14 @@ void add(const std::string& name, F f) {
       add("BM_accumulate/f32/" + suffix, [t, nq](benchmark::State& s) { accumulate_dense<float>(s, t, nq); });
       add("BM_accumulate/q4/" + suffix, [t, nq](benchmark::State& s) { accumulate_q4(s, t, nq); });
     }
+    // Where the fastest table is int8 for Q4 (VNNI), the float Q4 kernels too, to compare.
+    const kernels::table* tf = kernels::find(i, kernels::q4_arith::float32);
+    if (tf == nullptr || tf == t) continue;
+    for (std::uint32_t nq : {1u, 4u, 8u}) {
+      const std::string suffix = is + "_float32/nq:" + std::to_string(nq);
+      add("BM_scores/q4/" + suffix, [tf, nq](benchmark::State& s) { scores_q4(s, tf, nq); });
+      add("BM_accumulate/q4/" + suffix, [tf, nq](benchmark::State& s) { accumulate_q4(s, tf, nq); });
+    }
   }
   return true;
 }();
