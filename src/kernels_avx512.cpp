@@ -116,24 +116,9 @@ struct V {
   // Value-tile set-up over consecutive blocks (acc_q4_nq): lanes are blocks k = t * nb + g of
   // 16 / nb tokens, nb a power of two <= 16.
   static constexpr bool consecutive_headers = true;
-  // Scales and minimums of the `count` (1..16) consecutive blocks b[0..count), 0 beyond: block j's
-  // header is dword 5 j of the run (blocks are 20 bytes), so dword permutes gather them without a
-  // gather instruction. Masked loads read no byte past the last block.
+  // Scales and minimums of the `count` (1..16) consecutive blocks b[0..count), 0 beyond.
   static void consecutive_scale_min(const q4_block* b, unsigned count, vf& s, vf& m) {
-    const auto* d = reinterpret_cast<const int*>(b);
-    const unsigned dwords = 5 * count;
-    auto part = [&](unsigned r) {
-      const unsigned n = dwords <= 16 * r ? 0u : (dwords - 16 * r >= 16 ? 16u : dwords - 16 * r);
-      return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1u), d + 16 * r);
-    };
-    const __m512i i01 = _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i i23 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 3, 8, 13, 18, 23, 28, 0, 0, 0);
-    const __m512i i4 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 6, 11);
-    __m512i sm = _mm512_permutex2var_epi32(part(0), i01, part(1));                                   // blocks 0..6
-    sm = _mm512_mask_mov_epi32(sm, __mmask16(0x1F80), _mm512_permutex2var_epi32(part(2), i23, part(3)));  // 7..12
-    sm = _mm512_mask_mov_epi32(sm, __mmask16(0xE000), _mm512_permutexvar_epi32(i4, part(4)));            // 13..15
-    s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));
-    m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));
+    q4_consecutive_scale_min16(b, count, s, m);
   }
   // Lane l = x[l >> shift]: each of the first 16 >> shift elements of x repeated 1 << shift times.
   static vf spread(vf x, unsigned shift) {
@@ -143,11 +128,14 @@ struct V {
   }
   // Lane g (g < nb) = the sum of the lanes l with l % nb == g, nb a power of two <= 16.
   static vf fold(vf x, unsigned nb) {
-    if (nb <= 8) x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-    if (nb <= 4) x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-    if (nb <= 2) x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-    if (nb <= 1) x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-    return x;
+    constexpr auto sum = [](vf a, vf b) { return _mm512_add_ps(a, b); };
+    switch (nb) {
+      case 1: return q4_fold<1>(x, sum);
+      case 2: return q4_fold<2>(x, sum);
+      case 4: return q4_fold<4>(x, sum);
+      case 8: return q4_fold<8>(x, sum);
+      default: return x;
+    }
   }
 };
 

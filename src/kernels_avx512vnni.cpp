@@ -67,22 +67,18 @@ constexpr byte_index make_headers(int base) {
 }
 constexpr byte_index headers_0 = make_headers(0), headers_128 = make_headers(128), headers_256 = make_headers(256);
 
-// Scales and minimums of 16 consecutive blocks, without a gather, from the 64-byte parts
-// part(o), o = 0, 64, ..., 256, of their 320-byte run; consecutive_scale_min16: all present.
-template <class Part>
-inline void scale_min_of_run(Part part, __m512& s, __m512& m) {
-  const __m512i a = _mm512_permutex2var_epi8(part(0), _mm512_load_si512(headers_0.b), part(64));
-  const __m512i c = _mm512_permutex2var_epi8(part(128), _mm512_load_si512(headers_128.b), part(192));
-  const __m512i d = _mm512_permutexvar_epi8(_mm512_load_si512(headers_256.b), part(256));
+// Scales and minimums of 16 consecutive blocks b[0..16) (all present), without a gather.
+inline void consecutive_scale_min16(const q4_block* b, __m512& s, __m512& m) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(b);
+  const __m512i a = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(headers_0.b), _mm512_loadu_si512(p + 64));
+  const __m512i c = _mm512_permutex2var_epi8(_mm512_loadu_si512(p + 128), _mm512_load_si512(headers_128.b),
+                                             _mm512_loadu_si512(p + 192));
+  const __m512i d = _mm512_permutexvar_epi8(_mm512_load_si512(headers_256.b), _mm512_loadu_si512(p + 256));
   // dwords 0..6 from [0, 128) (block 6 ends at byte 124), 7..12 from [128, 256), 13..15 from [256, 320).
   __m512i sm = _mm512_mask_mov_epi32(a, __mmask16(0x1F80), c);
   sm = _mm512_mask_mov_epi32(sm, __mmask16(0xE000), d);
   s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));
   m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));
-}
-inline void consecutive_scale_min16(const q4_block* b, __m512& s, __m512& m) {
-  const auto* p = reinterpret_cast<const std::uint8_t*>(b);
-  scale_min_of_run([p](unsigned o) { return _mm512_loadu_si512(p + o); }, s, m);
 }
 
 // vpermt2b index for the codes of four consecutive blocks, from 128 bytes starting at the first
@@ -225,26 +221,6 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 
 constexpr unsigned value_tile = 32;  // tokens per set-up
 
-inline __mmask64 first_bytes(unsigned n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
-
-// Scales and minimums of the `count` (0..16) consecutive blocks b[0..count), 0 beyond: the
-// permutes of consecutive_scale_min16 over masked loads, which read no byte past the last block.
-inline void consecutive_scale_min_n(const q4_block* b, unsigned count, __m512& s, __m512& m) {
-  const auto* p = reinterpret_cast<const std::uint8_t*>(b);
-  const unsigned bytes = 20 * count;
-  scale_min_of_run(
-      [p, bytes](unsigned o) { return _mm512_maskz_loadu_epi8(first_bytes(bytes > o ? bytes - o : 0), p + o); }, s, m);
-}
-
-// Lane l (and so every lane of its class l % NB) = op over the lanes of class l % NB: a butterfly.
-template <unsigned NB, class Op>
-inline __m512 fold(__m512 x, Op op) {
-  if constexpr (NB <= 8) x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  if constexpr (NB <= 4) x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  if constexpr (NB <= 2) x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  if constexpr (NB <= 1) x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return x;
-}
 inline __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
 inline __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 
@@ -285,12 +261,12 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
   for (unsigned r = 0; r < R; ++r) {
     __m512 s, m;
     if (16 * r + 16 <= nk) consecutive_scale_min16(tile + 16 * r, s, m);
-    else consecutive_scale_min_n(tile + 16 * r, nk > 16 * r ? nk - 16 * r : 0, s, m);
+    else q4_consecutive_scale_min16(tile + 16 * r, nk > 16 * r ? nk - 16 * r : 0, s, m);
     m8[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
     sn[r] = s;
     smax = _mm512_max_ps(smax, s);
   }
-  const __m512 smax_g = fold<NB>(smax, max_of);
+  const __m512 smax_g = q4_fold<NB>(smax, max_of);
   const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax_g, _mm512_setzero_ps(), _CMP_GT_OQ),
                                          _mm512_set1_ps(1.0f), smax_g);
 #pragma GCC unroll 16
@@ -334,8 +310,8 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
     const __m512 st = _mm512_mul_ps(smax_g, _mm512_set1_ps(step));
     _mm512_store_ps(out.step[i], st);
     // base = step * sum p' (m + 8 s) - 8 * step_g * sum w8: the 8 s of the centred codes back.
-    const __m512 wsf = fold<NB>(_mm512_cvtepi32_ps(wsum), sum_of);
-    _mm512_store_ps(out.base[i], _mm512_fmsub_ps(fold<NB>(bsum, sum_of), _mm512_set1_ps(step),
+    const __m512 wsf = q4_fold<NB>(_mm512_cvtepi32_ps(wsum), sum_of);
+    _mm512_store_ps(out.base[i], _mm512_fmsub_ps(q4_fold<NB>(bsum, sum_of), _mm512_set1_ps(step),
                                                  _mm512_mul_ps(_mm512_mul_ps(wsf, st), _mm512_set1_ps(8.0f))));
   }
 }
