@@ -248,7 +248,7 @@ struct value_tile_weights {
   alignas(64) float base[NQ][16];                       // lane g: sum_t p_t (m_t + 8 s_t) - 8 step sum_t w8_t
 };
 
-// Set-up of one tile of nt (1..32) tokens, NB (1, 2, 4, 8) blocks each: lanes of vector r are the
+// Set-up of one tile of nt (1..32) tokens, NB (2, 4, 8) blocks each: lanes of vector r are the
 // blocks k = 16 r + l = t * NB + g. Weights w = p s are quantized as round(p' s') with
 // p' = p * 255 / max p and s' = s / max_t s of the column, so every u8 weight is <= 255.
 template <unsigned NQ, unsigned NB>
@@ -338,23 +338,20 @@ __attribute__((noinline)) void value_column(const q4_block* b, std::size_t nb, u
       dpbusd(a1[i], wi, hi);
     }
   };
-  auto row = [](const q4_block* x) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(x->codes)); };
-  auto zero = [] { return _mm_load_si128(reinterpret_cast<const __m128i*>(zero_codes)); };
+  // The code rows of the n (1..4) tokens from x, zeros past n: one row per 128-bit lane.
+  auto rows = [nb](const q4_block* x, unsigned n) __attribute__((always_inline)) {
+    auto row = [&](unsigned t) {
+      const std::uint8_t* c = t < n ? x[t * nb].codes : zero_codes;
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    };
+    __m512i r = _mm512_castsi128_si512(row(0));
+    r = _mm512_inserti32x4(r, row(1), 1);
+    r = _mm512_inserti32x4(r, row(2), 2);
+    return _mm512_inserti32x4(r, row(3), 3);
+  };
   unsigned j = 0;
-  for (; j + 4 <= nt; j += 4, b += 4 * nb) {
-    __m512i x = _mm512_castsi128_si512(row(b));
-    x = _mm512_inserti32x4(x, row(b + nb), 1);
-    x = _mm512_inserti32x4(x, row(b + 2 * nb), 2);
-    x = _mm512_inserti32x4(x, row(b + 3 * nb), 3);
-    quad(x, j / 4);
-  }
-  if (j < nt) {
-    __m512i x = _mm512_castsi128_si512(row(b));
-    x = _mm512_inserti32x4(x, j + 1 < nt ? row(b + nb) : zero(), 1);
-    x = _mm512_inserti32x4(x, j + 2 < nt ? row(b + 2 * nb) : zero(), 2);
-    x = _mm512_inserti32x4(x, j + 3 < nt ? row(b + 3 * nb) : zero(), 3);
-    quad(x, j / 4);
-  }
+  for (; j + 4 <= nt; j += 4, b += 4 * nb) quad(rows(b, 4), j / 4);
+  if (j < nt) quad(rows(b, nt - j), j / 4);
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
     const __m512 st = _mm512_set1_ps(step[i * sb_stride]), bs = _mm512_set1_ps(base[i * sb_stride]);
@@ -399,9 +396,6 @@ void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_
   scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
-}  // namespace kvcache::kernels::avx512vnni
-
-namespace kvcache::kernels::avx512vnni {
 
 void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v, std::uint32_t tokens,
                    std::uint32_t head_dim, float* acc, prefetch_region pf) {
