@@ -4,10 +4,10 @@
 // namespace (see kernels_internal.hpp) except the entry point, which avx2::get() installs only on
 // CPUs that have AVX-VNNI.
 //
-// The arithmetic is that of kernels_avx512vnni.cpp: the folded query q_d * scale_d is split per
-// query into two int8 parts, scale * (hi + lo / 254), the codes (0..15) are the unsigned operand,
-// and the result is the same to the last bit of the split (error <= max|q s| / (127 * 508) per
-// channel, times the code). What differs is the transpose: AVX2 has no byte permute across
+// The folded query q_d * scale_d is split per query into two int8 parts, scale * (hi + lo / 254)
+// (error <= max|q s| / (127 * 508) per channel, times the code; the AVX-512 kernel carries one
+// part, see kernels_avx512vnni.cpp), and the codes (0..15) are the unsigned operand. The
+// transpose differs from the AVX-512 kernel's: AVX2 has no byte permute across
 // lanes, so the codes of a channel quad are transposed in-lane with unpacks, once per group into
 // a small scratch, the low nibbles (tokens 0..15) in the low 128-bit lane and the high nibbles
 // (tokens 16..31) in the high one; and with 16 registers the queries take their turns over it.
