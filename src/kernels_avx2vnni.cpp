@@ -4,10 +4,10 @@
 // namespace (see kernels_internal.hpp) except the entry point, which avx2::get() installs only on
 // CPUs that have AVX-VNNI.
 //
-// The folded query q_d * scale_d is split per query into two int8 parts, scale * (hi + lo / 254)
-// (error <= max|q s| / (127 * 508) per channel, times the code; the AVX-512 kernel carries one
-// part, see kernels_avx512vnni.cpp), and the codes (0..15) are the unsigned operand. The
-// transpose differs from the AVX-512 kernel's: AVX2 has no byte permute across
+// The arithmetic is that of kernels_avx512vnni.cpp: the folded query q_d * scale_d is one int8
+// value per channel on a grid of max|q s| / 127 per query, the rounding error's share common to
+// all tokens is added back, and the codes (0..15) are the unsigned operand. What differs is the
+// transpose: AVX2 has no byte permute across
 // lanes, so the codes of a channel quad are transposed in-lane with unpacks, once per group into
 // a small scratch, the low nibbles (tokens 0..15) in the low 128-bit lane and the high nibbles
 // (tokens 16..31) in the high one; and with 16 registers the queries take their turns over it.
@@ -46,24 +46,13 @@ inline void dpbusd(__m256i& acc, __m256i u, __m256i s) {
 #endif
 }
 
-// y[0..4) (|y| <= 127, 32 lanes) as hi + lo / 254, each written as 32 int8.
-inline void split32(const __m256* y, std::int8_t* hi, std::int8_t* lo) {
-  __m256i h[4], l[4];
-  for (int r = 0; r < 4; ++r) {
-    const __m256 hr = _mm256_round_ps(y[r], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 lr = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(y[r], hr), _mm256_set1_ps(lo_scale)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    h[r] = _mm256_cvtps_epi32(hr);
-    l[r] = _mm256_cvtps_epi32(lr);
-  }
+// Y[0..4) (int32, |Y| <= 127, 32 lanes) written as 32 int8.
+inline void pack32(const __m256i* y, std::int8_t* dst) {
   // The packs work within 128-bit lanes: dword order 0 4 1 5 2 6 3 7 restores the lanes' order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  auto pack = [&](const __m256i* x) {
-    return _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3])), order);
-  };
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), pack(h));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), pack(l));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(
+                          _mm256_packs_epi16(_mm256_packs_epi32(y[0], y[1]), _mm256_packs_epi32(y[2], y[3])), order));
 }
 
 inline __m256 load_n(const float* p, unsigned n) {
@@ -119,14 +108,19 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   query_split qs[NQ];
   for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(hmax8(qmax[i]), hsum8(mterm[i]));
 
-  // Pass 2, per chunk of channels: transpose its codes, fold and split the queries over it, then
-  // each query's integer dot products (hi and lo parts, four 8-token vectors each).
-  alignas(32) __m256i acc[NQ][2][4];
-  for (unsigned i = 0; i < NQ; ++i)
-    for (unsigned p = 0; p < 2; ++p)
-      for (unsigned r = 0; r < 4; ++r) acc[i][p][r] = _mm256_setzero_si256();
+  // Pass 2, per chunk of channels: transpose its codes, fold the queries over it to int8 (with
+  // the sums of y_d = x_d / scale and of Y_d = round(y_d)), then each query's integer dot products
+  // (four 8-token vectors).
+  alignas(32) __m256i acc[NQ][4];
+  __m256 ysum[NQ];
+  __m256i yisum[NQ];
+  for (unsigned i = 0; i < NQ; ++i) {
+    for (unsigned r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_si256();
+    ysum[i] = _mm256_setzero_ps();
+    yisum[i] = _mm256_setzero_si256();
+  }
   alignas(32) __m256i codes[key_chunk / 4][4];
-  alignas(32) std::int8_t qh[NQ][key_chunk], ql[NQ][key_chunk];
+  alignas(32) std::int8_t qy[NQ][key_chunk];
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     const unsigned quads = (nd + 3) / 4;
@@ -147,46 +141,44 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
         else q4_scale_min8(k + c0 + at, 1, n, s[r], m);
       }
       for (unsigned i = 0; i < NQ; ++i) {
-        __m256 y[4];
+        __m256i y[4];
         for (unsigned r = 0; r < 4; ++r) {
           const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
-          y[r] = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));
+          const __m256 yf = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));
+          y[r] = _mm256_cvtps_epi32(yf);
+          ysum[i] = _mm256_add_ps(ysum[i], yf);
+          yisum[i] = _mm256_add_epi32(yisum[i], y[r]);
         }
-        split32(y, qh[i] + j, ql[i] + j);
+        pack32(y, qy[i] + j);
       }
     }
     for (unsigned i = 0; i < NQ; ++i) {
-      __m256i h0 = acc[i][0][0], h1 = acc[i][0][1], h2 = acc[i][0][2], h3 = acc[i][0][3];
-      __m256i l0 = acc[i][1][0], l1 = acc[i][1][1], l2 = acc[i][1][2], l3 = acc[i][1][3];
+      __m256i h0 = acc[i][0], h1 = acc[i][1], h2 = acc[i][2], h3 = acc[i][3];
       row_prefetch* f = i == 0 ? pf : nullptr;  // spread over the first query's quads
       for (unsigned j = 0; j < quads; ++j) {
         if (f != nullptr) f->rows(1);
-        const __m256i wh = dword_of(qh[i] + 4 * j), wl = dword_of(ql[i] + 4 * j);
-        const __m256i t0 = _mm256_load_si256(&codes[j][0]), t1 = _mm256_load_si256(&codes[j][1]);
-        const __m256i t2 = _mm256_load_si256(&codes[j][2]), t3 = _mm256_load_si256(&codes[j][3]);
-        dpbusd(h0, t0, wh);
-        dpbusd(h1, t1, wh);
-        dpbusd(h2, t2, wh);
-        dpbusd(h3, t3, wh);
-        dpbusd(l0, t0, wl);
-        dpbusd(l1, t1, wl);
-        dpbusd(l2, t2, wl);
-        dpbusd(l3, t3, wl);
+        const __m256i w = dword_of(qy[i] + 4 * j);
+        dpbusd(h0, _mm256_load_si256(&codes[j][0]), w);
+        dpbusd(h1, _mm256_load_si256(&codes[j][1]), w);
+        dpbusd(h2, _mm256_load_si256(&codes[j][2]), w);
+        dpbusd(h3, _mm256_load_si256(&codes[j][3]), w);
       }
-      acc[i][0][0] = h0, acc[i][0][1] = h1, acc[i][0][2] = h2, acc[i][0][3] = h3;
-      acc[i][1][0] = l0, acc[i][1][1] = l1, acc[i][1][2] = l2, acc[i][1][3] = l3;
+      acc[i][0] = h0, acc[i][1] = h1, acc[i][2] = h2, acc[i][3] = h3;
     }
   }
 
   // Back to floats, and from the vectors' token order (low lanes 0..15, high lanes 16..31) to
   // the tokens' order.
+  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d.
   for (unsigned i = 0; i < NQ; ++i) {
+    alignas(32) std::int32_t yi[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(yi), yisum[i]);
+    std::int32_t ytotal = 0;
+    for (const std::int32_t x : yi) ytotal += x;
+    const float e = hsum8(ysum[i]) - static_cast<float>(ytotal);
+    const __m256 scale = _mm256_set1_ps(qs[i].scale), base = _mm256_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
     __m256 v[4];
-    for (unsigned r = 0; r < 4; ++r) {
-      const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1][r]), _mm256_set1_ps(1.0f / lo_scale),
-                                       _mm256_cvtepi32_ps(acc[i][0][r]));
-      v[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(qs[i].scale), _mm256_set1_ps(qs[i].mc));
-    }
+    for (unsigned r = 0; r < 4; ++r) v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), scale, base);
     const __m256 o[4] = {_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x20),
                          _mm256_permute2f128_ps(v[0], v[1], 0x31), _mm256_permute2f128_ps(v[2], v[3], 0x31)};
     float* dst = out + i * out_stride;

@@ -11,7 +11,7 @@
 // per channel. It stays well below the error the Q4 keys already carry: that error has a standard
 // deviation of at least max|x| / sqrt(12) (the channel of the largest |x_d| alone), against about
 // 0.12 max|x| for this one with random rounding at 128 channels (0.17 at 256), which adds under
-// 10 % to the variance of the score error. Two int8 parts (15 bits, as the AVX2 kernel keeps)
+// 10 % to the variance of the score error. Two int8 parts (15 bits, as this kernel had before)
 // measured 1.2 to 1.3 times slower here: vpdpbusd and its dword broadcasts share the vector pipes.
 //
 // Values (accumulate_q4) are integer too, where a token has 2, 4 or 8 blocks: per tile of 32

@@ -2,18 +2,16 @@
 // depend on the vector width: included inside each file's anonymous namespace (see
 // kernels_internal.hpp).
 //
-// The folded query x_d = q_d * scale_d of each query is carried in int8 on a grid of
-// scale = max|x| / 127: as one part (AVX-512) or as scale * (hi + lo / 254) with |hi|, |lo| <= 127
-// (AVX2: 15 bits, an error of at most max|x| / (127 * 508) per channel). The minimums enter once
-// per query as sum_d q_d m_d.
-
-constexpr float lo_scale = 254.0f;  // the AVX2 kernel's lo carries (x / scale - hi) * 254
+// The folded query x_d = q_d * scale_d of each query is carried as one int8 value per channel,
+// Y_d = round(x_d / scale) with scale = max|x| / 127; the rounding error's share common to all
+// tokens, 8 scale sum_d (x_d / scale - Y_d), is added back (see kernels_avx512vnni.cpp). The
+// minimums enter once per query as sum_d q_d m_d.
 
 constexpr unsigned key_chunk = 256;        // channels transposed, folded and split per pass
 constexpr unsigned cached_channels = 256;  // key scales kept from pass 1 up to this head_dim
 
 struct query_split {
-  float scale;  // of the int8 parts
+  float scale;  // of the int8 values
   float inv;    // 1 / scale, 0 when the query folds to all zeros
   float mc;     // sum_d q_d m_d
 };

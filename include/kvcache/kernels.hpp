@@ -18,11 +18,11 @@ enum class q4_arith : std::uint8_t {
   /// Codes converted to floats, float FMAs with the scales folded in: error of float rounding.
   float32,
   /// Integer dot products of the codes with the folded query x_d = q_d * scale_d, carried per
-  /// query in int8 on a grid of scale = max_d |x_d| / 127. AVX-512 with VNNI and VBMI: one int8
-  /// value per channel, and the rounding error's share 8 * sum_d e_d, common to the group's tokens,
-  /// added back: at most max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code
-  /// c_d (plus float rounding). AVX2 with AVX-VNNI: two int8 parts, scale * (hi + lo / 254): at most
-  /// max_d |x_d| / (127 * 508) * c_d per channel.
+  /// query as one int8 value per channel on a grid of scale = max_d |x_d| / 127, with the
+  /// rounding error's share common to the group's tokens (8 scale sum_d e_d) added back: at most
+  /// max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code c_d (plus float
+  /// rounding). That is well below the Q4 keys' own error (see kernels_avx512vnni.cpp).
+  /// AVX-512 with VNNI and VBMI; AVX2 with AVX-VNNI.
   /// Values (AVX-512 with VNNI and VBMI, where a token has 2, 4 or 8 value blocks: head_dim
   /// 33..64, 97..128 or 225..256; float otherwise): per tile of 32 tokens, query
   /// and block column g, the weights w_t = p_t * scale_t are rounded to u8 on a grid of
