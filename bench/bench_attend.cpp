@@ -1,6 +1,7 @@
 // BM_attend/<cache>/<format>/<isa>/ctx:<tokens>/t:<threads>: decode attention of one sequence
 // (1 layer, 8 KV heads x 128 head_dim, 32 query heads) over a real cache holding `tokens` tokens:
-// contiguous f16, paged f16 (16-token blocks) and two-tier Q4 (128-token f16 tail). Bytes
+// contiguous f16, paged f16 (16-token blocks; paged_b64, paged_b256: 64- and 256-token blocks, at
+// 32k tokens only) and two-tier Q4 (128-token f16 tail). Bytes
 // processed = the K+V bytes the view holds (what attend must read); items = tokens/s of decode
 // (one query token per step). t: attend's own thread count (attention_params::threads).
 #include "bench_common.hpp"
@@ -87,12 +88,13 @@ void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsi
   run(state, *c, which, tokens, threads);
 }
 
+template <std::uint32_t Block>
 void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
   paged_config<> pc;
   pc.shape = shape;
   pc.storage = format::f16;
-  pc.block_tokens = 16;
-  pc.budget_bytes = (tokens + 16) * shape.token_width() * 2 * 2;
+  pc.block_tokens = Block;
+  pc.budget_bytes = (tokens + Block) * shape.token_width() * 2 * 2;
   pc.expected_tokens = tokens;
   auto c = paged_cache<>::create(pc);
   if (!c) return state.SkipWithError(c.error().message.c_str());
@@ -112,12 +114,18 @@ const bool registered = [] {
   const struct {
     const char* name;
     fn f;
-  } caches[] = {{"contiguous/f16", contiguous_f16}, {"paged/f16", paged_f16}, {"two_tier/q4", two_tier_q4}};
+    bool long_only;  // 32k tokens only
+  } caches[] = {{"contiguous/f16", contiguous_f16, false},
+                {"paged/f16", paged_f16<16>, false},
+                {"two_tier/q4", two_tier_q4, false},
+                {"paged_b64/f16", paged_f16<64>, true},
+                {"paged_b256/f16", paged_f16<256>, true}};
   for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon}) {
     if (kernels::find(i) == nullptr) continue;
     for (std::size_t tokens : {std::size_t{4096}, std::size_t{32768}})
       for (unsigned threads : {1u, 2u})
         for (const auto& c : caches) {
+          if (c.long_only && tokens < 32768) continue;
           const std::string name = std::string("BM_attend/") + c.name + "/" + std::string(to_string(i)) +
                                    "/ctx:" + std::to_string(tokens) + "/t:" + std::to_string(threads);
           benchmark::RegisterBenchmark(name.c_str(), [f = c.f, i, tokens, threads](benchmark::State& st) {

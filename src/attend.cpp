@@ -177,6 +177,8 @@ class prefetch_stream {
     const std::size_t lines = (hb - ha) * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
     per_call_ = (lines * 5 / 4 + calls - 1) / std::max<std::uint32_t>(calls, 1);
   }
+  // Whether lines of a chunk are queued.
+  [[nodiscard]] bool active() const { return a_ != nullptr; }
   // Issues one call's share of lines now (for a call whose kernel prefetches rows of its own).
   void pump() {
     if (a_ != nullptr) pump_lines(per_call_);
@@ -243,9 +245,32 @@ kernels::prefetch_region next_rows(const std::byte* base, std::size_t row, std::
   return {base + static_cast<std::size_t>(from) * row, static_cast<std::size_t>(count) * row};
 }
 
+// The chunk after chunk ci that has tokens, or nullptr.
+const chunk* following(const layer_view& view, std::uint32_t ci) {
+  for (std::uint32_t j = ci + 1; j < view.count; ++j)
+    if (view.chunks[j].tokens > 0) return &view.chunks[j];
+  return nullptr;
+}
+
+// The rows of head h (keys, or values) a kernel prefetches while it works on rows [off, off + n) of
+// chunk ch: the chunk's next n rows, or at its end the first n rows of the following chunk fol
+// (null: none) where that is dense. A large chunk's successor (a big paged block, the two-tier
+// tail) starts where the hardware prefetchers have not been.
+kernels::prefetch_region ahead_rows(const chunk& ch, const chunk* fol, bool values, std::uint32_t h, std::uint32_t hd,
+                                    std::uint32_t off, std::uint32_t n) {
+  const format f = values ? ch.v_format : ch.k_format;
+  const std::size_t row = hd * dense_element_bytes(f);
+  const kernels::prefetch_region r = next_rows(values ? ch.v_head(h) : ch.k_head(h), row, ch.tokens, off, n);
+  if (r.bytes != 0 || off + n < ch.tokens || fol == nullptr) return r;
+  const format ff = values ? fol->v_format : fol->k_format;
+  if (ff == format::q4) return {};
+  return {values ? fol->v_head(h) : fol->k_head(h), std::min(n, fol->tokens) * hd * dense_element_bytes(ff)};
+}
+
 // Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile). A dense kernel
-// prefetches the chunk's next rows of the head, or else the share of the stream pf.
-void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n,
+// prefetches the share of the stream pf while it runs, or else the chunk's next rows of the head
+// (at its end, the first rows of the following chunk fol).
+void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t h, std::uint32_t off, std::uint32_t n,
                  const float* qf, float* s, prefetch_stream& pf) {
   const kernels::table& kt = *c.kt;
   const std::uint32_t g = c.group, hd = c.head_dim;
@@ -254,9 +279,9 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
     kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile, pf.take());
     return;
   }
-  kernels::prefetch_region next = next_rows(kb, hd * dense_element_bytes(ch.k_format), ch.tokens, off, n);
-  if (next.bytes == 0) next = pf.take();
-  else pf.pump();
+  // While the stream runs (small chunks) it has prefetched this chunk's rows already: the kernel
+  // spreads the stream's share over its rows rather than taking the chunk's next rows.
+  const kernels::prefetch_region next = pf.active() ? pf.take() : ahead_rows(ch, fol, false, h, hd, off, n);
   const std::size_t first = static_cast<std::size_t>(off) * hd;
   if (ch.k_format == format::f16)
     kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
@@ -267,14 +292,14 @@ void score_chunk(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers.
-// The call's share of the prefetch stream pf goes to the first kernel that has no next rows of its
-// own to prefetch (Q4 chunks never have: a chunk is one group).
+// The call's share of the prefetch stream pf, while it runs (small chunks, whose rows it has
+// prefetched), goes to the first kernel; the others prefetch their next rows (ahead_rows).
 void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   kernels::prefetch_region share = pf.take();
   auto own_or_share = [&share](kernels::prefetch_region own) {
-    if (own.bytes != 0) return own;
+    if (share.bytes == 0) return own;
     const kernels::prefetch_region r = share;
     share = {};
     return r;
@@ -286,14 +311,14 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
     const std::size_t elem = dense_element_bytes(vf);
     std::uint32_t count = 0, done = 0;
-    kernels::prefetch_region next{};  // the rows after the tile's last segment, in its chunk
+    kernels::prefetch_region next{};  // the rows after the tile's last segment
     for (std::uint32_t cj = ci, o = off; fused && done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
       if (ch.tokens == 0) continue;
       const std::uint32_t n = std::min(filled - done, ch.tokens - o);
       fused = ch.v_format == vf;
       segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
-      next = next_rows(ch.v_head(h), hd * elem, ch.tokens, o, n);
+      next = ahead_rows(ch, following(view, cj), true, h, hd, o, n);
       done += n;
     }
     if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc,
@@ -317,11 +342,11 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     switch (ch.v_format) {
       case format::f16:
         kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(next_rows(vb, hd * dense_element_bytes(ch.v_format), ch.tokens, o, n)));
+                          own_or_share(ahead_rows(ch, following(view, cj), true, h, hd, o, n)));
         break;
       case format::f32:
         kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(next_rows(vb, hd * dense_element_bytes(ch.v_format), ch.tokens, o, n)));
+                          own_or_share(ahead_rows(ch, following(view, cj), true, h, hd, o, n)));
         break;
       case format::q4:
         kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc,
@@ -369,6 +394,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
+      const chunk* fol = following(view, ci);
       if (off == 0) {
         // Kernel calls per chunk: one score call per head, and one accumulate call per head per
         // tile.
@@ -377,7 +403,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
       for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
-        score_chunk(c, ch, h, off, n, hs.qf, hs.s + filled, pf);
+        score_chunk(c, ch, fol, h, off, n, hs.qf, hs.s + filled, pf);
       }
       filled += n;
       if (off + n < ch.tokens) {  // the tile is full inside this chunk
