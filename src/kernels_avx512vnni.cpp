@@ -59,15 +59,15 @@ inline unsigned lanes(unsigned n, unsigned r) { return n <= 16 * r ? 0u : (n - 1
 
 #include "q4_headers.inl"
 
-// vpermt2b indices that bring the header words of 16 consecutive blocks (byte 20 j of a 320-byte
-// run) to dword j, from bytes [0, 128), [128, 256) and [256, 320) of the run.
+// vpermt2b indices that bring the halves of the headers of 16 consecutive blocks (bytes 20 j and
+// 20 j + 2 of a 320-byte run) to words j (the scales) and 16 + j (the minimums), from bytes
+// [0, 128), [128, 256) and [256, 320) of the run.
 constexpr byte_index make_headers(int base) {
   byte_index x{};
-  for (int j = 0; j < 16; ++j)
-    for (int b = 0; b < 4; ++b) {
-      const int at = 20 * j + b - base;
-      x.b[4 * j + b] = static_cast<std::uint8_t>(at >= 0 && at < 128 ? at : 0);
-    }
+  for (int o = 0; o < 64; ++o) {
+    const int j = (o / 2) % 16, at = 20 * j + (o >= 32 ? 2 : 0) + (o & 1) - base;
+    x.b[o] = static_cast<std::uint8_t>(at >= 0 && at < 128 ? at : 0);
+  }
   return x;
 }
 constexpr byte_index headers_0 = make_headers(0), headers_128 = make_headers(128), headers_256 = make_headers(256);
@@ -79,11 +79,12 @@ inline void consecutive_scale_min16(const q4_block* b, __m512& s, __m512& m) {
   const __m512i c = _mm512_permutex2var_epi8(_mm512_loadu_si512(p + 128), _mm512_load_si512(headers_128.b),
                                              _mm512_loadu_si512(p + 192));
   const __m512i d = _mm512_permutexvar_epi8(_mm512_load_si512(headers_256.b), _mm512_loadu_si512(p + 256));
-  // dwords 0..6 from [0, 128) (block 6 ends at byte 124), 7..12 from [128, 256), 13..15 from [256, 320).
-  __m512i sm = _mm512_mask_mov_epi32(a, __mmask16(0x1F80), c);
-  sm = _mm512_mask_mov_epi32(sm, __mmask16(0xE000), d);
-  s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sm));
-  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sm, 16)));
+  // Blocks 0..6 from [0, 128) (block 6 ends at byte 124), 7..12 from [128, 256), 13..15 from
+  // [256, 320): words j and 16 + j of each.
+  __m512i sm = _mm512_mask_mov_epi16(a, __mmask32(0x1F801F80u), c);
+  sm = _mm512_mask_mov_epi16(sm, __mmask32(0xE000E000u), d);
+  s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
+  m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
 }
 
 // vpermt2b index for the codes of four consecutive blocks, from 128 bytes starting at the first
