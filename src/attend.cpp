@@ -160,11 +160,11 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
   return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
 }
 
-// The lines of one chunk's heads [ha, hb), keys then values, issued a few per pump() call.
+// The lines of one chunk's heads [ha, hb), keys then values, handed out a share per kernel call.
 class prefetch_stream {
  public:
   // Queues chunk a (what is left of the previous one is issued now), to be spread over `calls`
-  // pump() calls with a quarter to spare.
+  // kernel calls with a quarter to spare.
   void start(const chunk& a, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd, std::uint32_t calls) {
     while (a_ != nullptr) pump_lines(~std::size_t{0});
     a_ = &a;
@@ -179,10 +179,6 @@ class prefetch_stream {
   }
   // Whether lines of a chunk are queued.
   [[nodiscard]] bool active() const { return a_ != nullptr; }
-  // Issues one call's share of lines now (for a call whose kernel prefetches rows of its own).
-  void pump() {
-    if (a_ != nullptr) pump_lines(per_call_);
-  }
   // Issues a region taken but not handed to a kernel.
   static void issue(kernels::prefetch_region r) {
     const auto* p = static_cast<const std::byte*>(r.p);
