@@ -188,12 +188,8 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
     }
   }
   query_split qs[NQ];
-  float inv[NQ];
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) {
-    qs[i] = split_of(_mm512_reduce_max_ps(qmax[i]), _mm512_reduce_add_ps(mterm[i]));
-    inv[i] = qs[i].inv;
-  }
+  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(_mm512_reduce_max_ps(qmax[i]), _mm512_reduce_add_ps(mterm[i]));
 
   // Pass 2: Y of a chunk of channels, then the integer dot products over it.
   __m512i acc[NQ][2], ysum[NQ];
@@ -220,7 +216,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       }
 #pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
-        const __m512 k1 = _mm512_set1_ps(inv[i]);
+        const __m512 k1 = _mm512_set1_ps(qs[i].inv);
         const __m512i y0 = _mm512_cvtps_epi32(_mm512_mul_ps(x[i][0], k1));
         const __m512i y1 = _mm512_cvtps_epi32(_mm512_mul_ps(x[i][1], k1));
         ysum[i] = _mm512_add_epi32(ysum[i], _mm512_add_epi32(y0, y1));
@@ -249,7 +245,7 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale.
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
-    const float e = inv[i] * _mm512_reduce_add_ps(xsum[i]) - static_cast<float>(_mm512_reduce_add_epi32(ysum[i]));
+    const float e = qs[i].inv * _mm512_reduce_add_ps(xsum[i]) - static_cast<float>(_mm512_reduce_add_epi32(ysum[i]));
     const __m512 scale = _mm512_set1_ps(qs[i].scale), base = _mm512_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r)
