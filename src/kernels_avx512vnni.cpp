@@ -98,41 +98,41 @@ constexpr byte_index make_codes4() {
 constexpr byte_index codes_consecutive = make_codes4();
 
 // codes4 for four consecutive blocks b[0..4): the bytes [b[0].codes, +76) hold all their codes.
-inline void codes4_consecutive(const q4_block* b, __m512i& lo, __m512i& hi) {
+inline void codes4_consecutive(const q4_block* b, __m512i& lo, __m512i& hi16) {
   const auto* p = b[0].codes;
   const __m512i x = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(codes_consecutive.b),
                                              _mm512_maskz_loadu_epi8(__mmask64(0xFFF), p + 64));
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(x, nib);
-  hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+  lo = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
+  hi16 = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0xF0)));
 }
 
-// The codes of four blocks (not consecutive: the last channels of a head), low nibbles and high
-// nibbles apart, each transposed: dword t of `lo` holds code t of the four blocks, of `hi` 16 + t.
+// The codes of four blocks (not consecutive: the last channels of a head), transposed: dword t of
+// `lo` holds code t of the four blocks, of `hi16` code 16 + t times 16 (the high nibbles left in
+// place: one instruction less, and the unsigned operand of vpdpbusd takes them to 240).
 inline void codes4(const std::uint8_t* c0, const std::uint8_t* c1, const std::uint8_t* c2, const std::uint8_t* c3,
-                   __m512i& lo, __m512i& hi) {
+                   __m512i& lo, __m512i& hi16) {
   __m512i x = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0)));
   x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c1)), 1);
   x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c2)), 2);
   x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c3)), 3);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i idx = _mm512_load_si512(transpose.b);
-  lo = _mm512_permutexvar_epi8(idx, _mm512_and_si512(x, nib));
-  hi = _mm512_permutexvar_epi8(idx, _mm512_and_si512(_mm512_srli_epi16(x, 4), nib));
+  x = _mm512_permutexvar_epi8(_mm512_load_si512(transpose.b), x);
+  lo = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
+  hi16 = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0xF0)));
 }
 
-// The folded query of one query over 32 channels as 32 int8 values Y_d = round(x_d / scale), from
-// packs_epi16(z, z) with z = packs_epi32(Y of channels 0..15, Y of channels 16..31): per 128-bit
-// lane L, bytes 0..3 of z's lane are channels 4 L + 0..3 and bytes 4..7 are 16 + 4 L + 0..3.
-constexpr byte_index make_key_bytes() {
+// Rounding to integers by adding 1.5 * 2^23: a float of magnitude in [2^23, 2^24) has ulp 1, so
+// fma(a, b, round_magic) rounds a * b (exactly, in one step) to the nearest integer, ties to even,
+// and for |a * b| < 2^22 its low byte is that integer modulo 256: the int8 (or u8) value itself,
+// with no conversion and no packing.
+constexpr float round_magic = 12582912.0f;
+
+// vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order.
+constexpr byte_index make_low_bytes() {
   byte_index x{};
-  for (int o = 0; o < 64; ++o) {
-    const int ch = o & 31, L = (ch & 15) / 4, b = (ch & 3) + (ch < 16 ? 0 : 4);
-    x.b[o] = static_cast<std::uint8_t>(16 * L + b);
-  }
+  for (int o = 0; o < 64; ++o) x.b[o] = static_cast<std::uint8_t>(4 * (o & 31));
   return x;
 }
-constexpr byte_index key_bytes = make_key_bytes();
+constexpr byte_index low_bytes = make_low_bytes();
 
 // acc += dot products of the unsigned bytes of u with the signed bytes of s, four per dword
 // (vpdpbusd). Inline assembly: GCC 12 models the intrinsic as non-destructive and surrounds every
@@ -160,16 +160,32 @@ inline void dpbusd_b(__m512i& acc, __m512i u, const void* p) {
 #endif
 }
 
+inline __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+inline __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+
+// Lanes 4 i .. 4 i + 3 of the result: op over all 16 lanes of x[i], i < 4 (a transposing tree:
+// 13 instructions for the four, against 8 for each one alone).
+template <class Op>
+inline __m512 reduce4(const __m512 (&x)[4], Op op) {
+  const __m512 ab = op(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = op(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 r = op(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  r = op(r, _mm512_permute_ps(r, _MM_SHUFFLE(1, 0, 3, 2)));
+  return op(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
 template <unsigned NQ>
 void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
                row_prefetch* pf) {
   // Pass 1: the folded query x_d = q_d s_d (kept up to cached_channels), the largest |x_d| of
-  // each query, sum_d q_d m_d and sum_d x_d.
-  __m512 qmax[NQ], mterm[NQ], xsum[NQ];
-#pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = xsum[i] = _mm512_setzero_ps();
+  // each query and sum_d q_d (m_d + 8 s_d) (the minimums, and the centring added back below).
+  __m512 qmax[4], mterm[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) qmax[i] = mterm[i] = _mm512_setzero_ps();
   alignas(64) float folded[NQ][cached_channels];
   const bool cached = hd <= cached_channels;
   for (unsigned c = 0; c < hd; c += 16) {
@@ -177,26 +193,34 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
     __m512 s, m;
     if (n == 16) consecutive_scale_min16(k + c, s, m);
     else q4_scale_min16(k + c, 1, n, s, m);
+    const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) {
       const __m512 qv = _mm512_maskz_loadu_ps(first(n), q + i * hd + c);
       const __m512 x = _mm512_mul_ps(qv, s);
       if (cached) _mm512_store_ps(folded[i] + c, x);
-      qmax[i] = _mm512_max_ps(qmax[i], _mm512_abs_ps(x));
-      mterm[i] = _mm512_fmadd_ps(qv, m, mterm[i]);
-      xsum[i] = _mm512_add_ps(xsum[i], x);
+      qmax[i] = _mm512_range_ps(qmax[i], x, 0x0B);  // max(|qmax|, |x|): imm 11 (larger |.|), 10 (sign cleared)
+      mterm[i] = _mm512_fmadd_ps(qv, m8, mterm[i]);
     }
   }
-  query_split qs[NQ];
-#pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(_mm512_reduce_max_ps(qmax[i]), _mm512_reduce_add_ps(mterm[i]));
+  // Lane 4 i: the scale of query i, max|x| / 127, and its inverse (0 where the folded query is all
+  // zeros).
+  alignas(64) float scale[16], inv[16];
+  {
+    const __m512 mx = reduce4(qmax, max_of);
+    _mm512_store_ps(scale, _mm512_div_ps(mx, _mm512_set1_ps(127.0f)));
+    _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                             _mm512_set1_ps(127.0f), mx));
+  }
 
   // Pass 2: Y of a chunk of channels, then the integer dot products over it.
-  __m512i acc[NQ][2], ysum[NQ];
+  __m512i acc[NQ][2], ysum[4];
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = ysum[i] = _mm512_setzero_si512();
+  for (unsigned i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) ysum[i] = _mm512_setzero_si512();
   alignas(64) std::int8_t ys[NQ][key_chunk];
-  const __m512i order = _mm512_load_si512(key_bytes.b);
+  const __m512i order = _mm512_load_si512(low_bytes.b);
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     for (unsigned j = 0; j < nd; j += 32) {
@@ -216,50 +240,62 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
       }
 #pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
-        const __m512 k1 = _mm512_set1_ps(qs[i].inv);
-        const __m512i y0 = _mm512_cvtps_epi32(_mm512_mul_ps(x[i][0], k1));
-        const __m512i y1 = _mm512_cvtps_epi32(_mm512_mul_ps(x[i][1], k1));
-        ysum[i] = _mm512_add_epi32(ysum[i], _mm512_add_epi32(y0, y1));
-        const __m512i z = _mm512_packs_epi32(y0, y1);
+        const __m512 k1 = _mm512_set1_ps(inv[4 * i]), mg = _mm512_set1_ps(round_magic);
+        const __m512i y0 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][0], k1, mg));
+        const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
         _mm256_store_si256(reinterpret_cast<__m256i*>(ys[i] + j),
-                           _mm512_castsi512_si256(_mm512_permutexvar_epi8(order, _mm512_packs_epi16(z, z))));
+                           _mm512_castsi512_si256(_mm512_permutex2var_epi8(y0, order, y1)));
       }
+    }
+    // sum_d Y_d, 64 channels at a time (Y is 0 past nd up to the next multiple of 32).
+    const unsigned nd32 = (nd + 31) / 32 * 32;
+    for (unsigned j = 0; j < nd32; j += 64) {
+      const __mmask64 mk = nd32 - j >= 64 ? ~__mmask64(0) : __mmask64(0xFFFFFFFFu);
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i) dpbusd(ysum[i], _mm512_set1_epi8(1), _mm512_maskz_loadu_epi8(mk, ys[i] + j));
     }
     for (unsigned c = 0; c < nd; c += 4) {
       if (pf != nullptr) pf->rows(1);
       const q4_block* b = k + c0 + c;
-      __m512i lo, hi;
+      __m512i lo, hi16;
       if (c + 4 <= nd) {
-        codes4_consecutive(b, lo, hi);
+        codes4_consecutive(b, lo, hi16);
       } else {
         codes4(b[0].codes, c + 1 < nd ? b[1].codes : zero_codes, c + 2 < nd ? b[2].codes : zero_codes,
-               c + 3 < nd ? b[3].codes : zero_codes, lo, hi);
+               c + 3 < nd ? b[3].codes : zero_codes, lo, hi16);
       }
 #pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
         dpbusd_b(acc[i][0], lo, ys[i] + c);
-        dpbusd_b(acc[i][1], hi, ys[i] + c);
+        dpbusd_b(acc[i][1], hi16, ys[i] + c);
       }
     }
   }
-  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale.
+  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
+  //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
+  alignas(64) float ms[16], ym[16];
+  {
+    __m512 yf[4];
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < 4; ++i) yf[i] = _mm512_cvtepi32_ps(ysum[i]);  // exact: |sum| < 2^24
+    _mm512_store_ps(ms, reduce4(mterm, sum_of));
+    _mm512_store_ps(ym, reduce4(yf, sum_of));
+  }
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
-    const float e = qs[i].inv * _mm512_reduce_add_ps(xsum[i]) - static_cast<float>(_mm512_reduce_add_epi32(ysum[i]));
-    const __m512 scale = _mm512_set1_ps(qs[i].scale), base = _mm512_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
+    const float sc = scale[4 * i];
+    const __m512 base = _mm512_set1_ps(ms[4 * i] - 8.0f * sc * ym[4 * i]);
+    // Tokens 16..31 were summed with their codes times 16.
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r)
       _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, first(lanes(tokens, r)),
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), scale, base));
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), _mm512_set1_ps(r == 0 ? sc : sc * 0.0625f), base));
   }
 }
 
 // ---- values: lanes = 16 channels of a block column, dot products over token quads --------------
 
 constexpr unsigned value_tile = 32;  // tokens per set-up
-
-inline __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
-inline __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 
 // vpermb index that orders the u8 weights of 64 consecutive blocks (block k = t * nb + g) by
 // dword (Q * nb + g) = tokens 4Q..4Q+3 of column g. Its input is packus_epi16(packus_epi32(r0, r1),
