@@ -297,21 +297,31 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
 
 constexpr unsigned value_tile = 32;  // tokens per set-up
 
-// vpermb index that orders the u8 weights of 64 consecutive blocks (block k = t * nb + g) by
-// dword (Q * nb + g) = tokens 4Q..4Q+3 of column g. Its input is packus_epi16(packus_epi32(r0, r1),
-// packus_epi32(r2, r3)) of four 16-lane vectors, which puts block 16 r + 4 L + e at byte
-// 16 L + 4 r + e (the packs work per 128-bit lane).
-constexpr byte_index make_weight_order(int nb) {
-  byte_index x{};
+// vpermt2b indices that order the u8 weights of 64 consecutive blocks (block k = t * nb + g) by
+// dword (Q * nb + g) = tokens 4Q..4Q+3 of column g, from the low bytes of the dwords of four
+// 16-lane vectors (block k in lane k % 16 of vector k / 16): `lo` takes the bytes from vectors 0
+// and 1, `hi` from vectors 2 and 3, and `from_hi` marks the output bytes that come from `hi`.
+struct weight_permute {
+  byte_index lo, hi;
+  std::uint64_t from_hi;
+};
+constexpr weight_permute make_weight_permute(int nb) {
+  weight_permute x{};
   for (int o = 0; o < 64; ++o) {
     const int i = o & 3, g = (o >> 2) % nb, quad = (o >> 2) / nb;
-    const int k = (4 * quad + i) * nb + g;
-    x.b[o] = static_cast<std::uint8_t>(16 * ((k >> 2) & 3) + 4 * (k >> 4) + (k & 3));
+    const int k = (4 * quad + i) * nb + g, v = k >> 4;
+    const auto at = static_cast<std::uint8_t>(4 * (k & 15) + 64 * (v & 1));
+    if (v < 2) {
+      x.lo.b[o] = at;
+    } else {
+      x.hi.b[o] = at;
+      x.from_hi |= std::uint64_t{1} << o;
+    }
   }
   return x;
 }
-constexpr byte_index weight_order[4] = {make_weight_order(1), make_weight_order(2), make_weight_order(4),
-                                        make_weight_order(8)};
+constexpr weight_permute weight_order[4] = {make_weight_permute(1), make_weight_permute(2), make_weight_permute(4),
+                                            make_weight_permute(8)};
 
 // What the set-up of a tile hands the integer loop, per query i (lanes / entries g = block column).
 template <unsigned NQ>
@@ -323,7 +333,9 @@ struct value_tile_weights {
 
 // Set-up of one tile of nt (1..32) tokens, NB (2, 4, 8) blocks each: lanes of vector r are the
 // blocks k = 16 r + l = t * NB + g. Weights w = p s are quantized as round(p' s') with
-// p' = p * 255 / max p and s' = s / max_t s of the column, so every u8 weight is <= 255.
+// p' = p * 255 / max p and s' = s / max_t s of the column, so every u8 weight is <= 255. The four
+// queries go side by side where they reduce (their maxima in one tree), and the weights are
+// rounded by fma with round_magic, their low bytes gathered by two vpermt2b.
 template <unsigned NQ, unsigned NB>
 void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, unsigned nt, value_tile_weights<NQ>& out) {
   constexpr unsigned R = 2 * NB;  // vectors of 16 blocks in a full tile
@@ -344,20 +356,37 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
                                          _mm512_set1_ps(1.0f), smax_g);
 #pragma GCC unroll 16
   for (unsigned r = 0; r < R; ++r) sn[r] = _mm512_mul_ps(sn[r], inv);
+
+  // Lane 4 i, per query: max_t p_t, the pre-scale `big` and the factor k, p' = p * big * k. Below
+  // 2^-100, p is scaled by 2^100 first (exact), since 255 / max p overflows below ~2^-120.
+  __m512 plo[NQ], phi[NQ], pm[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) {
+    if (i < NQ) {
+      plo[i] = _mm512_maskz_loadu_ps(first(nt), p + i * p_stride);
+      phi[i] = _mm512_maskz_loadu_ps(first(nt > 16 ? nt - 16 : 0), p + i * p_stride + 16);
+      pm[i] = _mm512_max_ps(plo[i], phi[i]);
+    } else {
+      pm[i] = _mm512_setzero_ps();
+    }
+  }
+  alignas(64) float pmax[16], big[16], kf[16];
+  {
+    const __m512 mx = reduce4(pm, max_of);
+    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
+                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
+    _mm512_store_ps(pmax, mx);
+    _mm512_store_ps(big, b);
+    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(255.0f), _mm512_mul_ps(mx, b)));
+  }
   const __m512i token_of_lane = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift);
-  const __m512i order = _mm512_load_si512(weight_order[shift].b);
+  const __m512i perm_lo = _mm512_load_si512(weight_order[shift].lo.b), perm_hi = _mm512_load_si512(weight_order[shift].hi.b);
+  const __mmask64 from_hi = weight_order[shift].from_hi;
+  const __m512 mg = _mm512_set1_ps(round_magic);
   for (unsigned i = 0; i < NQ; ++i) {
-    const float* pi = p + i * p_stride;
-    __m512 plo = _mm512_maskz_loadu_ps(first(nt), pi);
-    __m512 phi = _mm512_maskz_loadu_ps(first(nt > 16 ? nt - 16 : 0), pi + 16);
-    const float pmax = _mm512_reduce_max_ps(_mm512_max_ps(plo, phi));
-    const float step = pmax / 255.0f;
-    // p' = p * 255 / pmax; below 2^-100, p is scaled by 2^100 first (exact), since 255 / pmax
-    // overflows for pmax below ~2^-120.
-    const float big = pmax < 0x1p-100f ? 0x1p100f : 1.0f;
-    const __m512 kb = _mm512_set1_ps(big), k = _mm512_set1_ps(pmax > 0.0f ? 255.0f / (pmax * big) : 0.0f);
-    plo = _mm512_mul_ps(_mm512_mul_ps(plo, kb), k);
-    phi = _mm512_mul_ps(_mm512_mul_ps(phi, kb), k);
+    const __m512 kb = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
+    const __m512 pl = _mm512_mul_ps(_mm512_mul_ps(plo[i], kb), k), ph = _mm512_mul_ps(_mm512_mul_ps(phi[i], kb), k);
     __m512 bsum = _mm512_setzero_ps();
     __m512i wsum = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -368,18 +397,19 @@ void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, uns
         const unsigned r = 4 * c + u;
         if (r < R) {
           const __m512i idx = _mm512_add_epi32(token_of_lane, _mm512_set1_epi32(static_cast<int>((16 * r) >> shift)));
-          const __m512 pv = _mm512_permutex2var_ps(plo, idx, phi);  // p' of each block's token
-          w8[u] = _mm512_cvtps_epi32(_mm512_mul_ps(pv, sn[r]));
+          const __m512 pv = _mm512_permutex2var_ps(pl, idx, ph);  // p' of each block's token
+          w8[u] = _mm512_castps_si512(_mm512_fmadd_ps(pv, sn[r], mg));
           bsum = _mm512_fmadd_ps(pv, m8[r], bsum);
         } else {
           w8[u] = _mm512_setzero_si512();
         }
       }
-      const __m512i wv = _mm512_permutexvar_epi8(
-          order, _mm512_packus_epi16(_mm512_packus_epi32(w8[0], w8[1]), _mm512_packus_epi32(w8[2], w8[3])));
+      const __m512i wv = _mm512_mask_mov_epi8(_mm512_permutex2var_epi8(w8[0], perm_lo, w8[1]), from_hi,
+                                              _mm512_permutex2var_epi8(w8[2], perm_hi, w8[3]));
       _mm512_store_si512(out.w[i] + 16 * c, wv);
       dpbusd(wsum, wv, _mm512_set1_epi8(1));
     }
+    const float step = pmax[4 * i] / 255.0f;
     const __m512 st = _mm512_mul_ps(smax_g, _mm512_set1_ps(step));
     _mm512_store_ps(out.step[i], st);
     // base = step * sum p' (m + 8 s) - 8 * step_g * sum w8: the 8 s of the centred codes back.
