@@ -382,11 +382,26 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   // Cursor: chunk ci, token offset off.
   std::uint32_t ci = 0, off = 0;
   while (ci < view.count) {
-    const std::uint32_t start_ci = ci, start_off = off;
+    std::uint32_t start_ci = ci, start_off = off;  // where the tile starts
     std::uint32_t filled = 0;
     for (; ci < view.count && filled < tile; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
       if (ch.tokens == 0) continue;
+      if (filled == 0 && c.kt->attend_q4 != nullptr && ch.k_format == format::q4 && ch.v_format == format::q4) {
+        // A whole Q4 group, keys and values, in one call per head (validated: off == 0): scores,
+        // softmax step and values of all the head's queries at once.
+        const chunk* ahead = chunk_ahead(view, ci, hd);
+        if (ahead != nullptr) pf.start(*ahead, ha, hb, hd, hb - ha);
+        for (std::uint32_t h = ha; h < hb; ++h) {
+          const head_state hs = st(h);
+          c.kt->attend_q4(hs.qf, g, reinterpret_cast<const q4_block*>(ch.k_head(h)),
+                          reinterpret_cast<const q4_block*>(ch.v_head(h)), ch.tokens, hd, hs.run_max, hs.run_sum,
+                          hs.acc, pf.take());
+        }
+        start_ci = ci + 1;  // the tile starts after it
+        start_off = 0;
+        continue;
+      }
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
       const std::uint32_t n = std::min(tile - filled, ch.tokens - off);

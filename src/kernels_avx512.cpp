@@ -152,6 +152,7 @@ const table& get() noexcept {
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) {
       x.scores_q4 = avx512vnni::scores_q4;
       x.accumulate_q4 = avx512vnni::accumulate_q4;
+      x.attend_q4 = avx512vnni::attend_q4;
       x.q4_values = q4_arith::int8;
       x.q4 = q4_arith::int8;
     }

@@ -160,13 +160,21 @@ inline void dpbusd_b(__m512i& acc, __m512i u, const void* p) {
 #endif
 }
 
-inline __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
-inline __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+// Function objects (not functions: through a function pointer GCC 12 neither inlined reduce4 nor
+// the operation).
+struct max_op {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
+};
+struct sum_op {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+constexpr max_op max_of;
+constexpr sum_op sum_of;
 
 // Lanes 4 i .. 4 i + 3 of the result: op over all 16 lanes of x[i], i < 4 (a transposing tree:
 // 13 instructions for the four, against 8 for each one alone).
 template <class Op>
-inline __m512 reduce4(const __m512 (&x)[4], Op op) {
+__attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op) {
   const __m512 ab = op(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
                        _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512 cd = op(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -492,6 +500,86 @@ void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned
   }
 }
 
+// ---- the online-softmax step over one group: scores, weights and values of four queries -------
+
+// 2^x for x <= 0, as attend()'s softmax step computes it (attend_softmax_simd.inl): clamped at
+// -125, so never a denormal; a degree-6 polynomial of e^(f ln 2) on the fraction, times 2^i.
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+  const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, i), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, i);
+}
+
+// table::attend_q4 for NQ (1..4) queries: the scores into a local tile, the softmax step with the
+// queries' maxima and sums each reduced in one tree, the weights back into the tile (where the
+// value set-up reads them from L1), and the values.
+template <unsigned NQ>
+void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned tokens, unsigned hd, float* run_max,
+               float* run_sum, float* acc, row_prefetch* pf) {
+  alignas(64) float w[NQ][value_tile];
+  scores_nq<NQ>(q, k, tokens, hd, &w[0][0], value_tile, pf);
+  const __mmask16 m0 = first(lanes(tokens, 0)), m1 = first(lanes(tokens, 1));
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+  __m512 s[NQ][2], mx[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) {
+    if (i < NQ) {
+      s[i][0] = _mm512_mask_load_ps(ninf, m0, w[i]);
+      s[i][1] = _mm512_mask_load_ps(ninf, m1, w[i] + 16);
+      mx[i] = _mm512_max_ps(s[i][0], s[i][1]);
+    } else {
+      mx[i] = ninf;
+    }
+  }
+  alignas(64) float tile_max[16];
+  _mm512_store_ps(tile_max, reduce4(mx, max_of));
+  float m_new[NQ];
+  __m512 sum[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) {
+    if (i < NQ) {
+      m_new[i] = tile_max[4 * i] > run_max[i] ? tile_max[4 * i] : run_max[i];
+      const __m512 m = _mm512_set1_ps(m_new[i]);
+      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
+      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
+      _mm512_store_ps(w[i], p0);
+      _mm512_store_ps(w[i] + 16, p1);
+      sum[i] = _mm512_add_ps(p0, p1);
+    } else {
+      sum[i] = _mm512_setzero_ps();
+    }
+  }
+  alignas(64) float total[16];
+  _mm512_store_ps(total, reduce4(sum, sum_of));
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    if (m_new[i] != run_max[i]) {
+      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
+      const float corr = run_max[i] < -3.0e38f
+                             ? 0.0f
+                             : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(run_max[i] - m_new[i])));
+      float* a = acc + static_cast<std::size_t>(i) * hd;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (unsigned d = 0; d < hd; d += 16) {
+        const __mmask16 md = first(hd - d);
+        _mm512_mask_storeu_ps(a + d, md, _mm512_mul_ps(_mm512_maskz_loadu_ps(md, a + d), cv));
+      }
+      run_sum[i] *= corr;
+      run_max[i] = m_new[i];
+    }
+    run_sum[i] += total[4 * i];
+  }
+  values_nb<NQ>(&w[0][0], value_tile, v, tokens, hd, acc, pf);
+}
+
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
@@ -517,6 +605,63 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
       case 2: values_nb<2>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
       case 3: values_nb<3>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
       default: values_nb<4>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
+    }
+  }
+}
+
+}  // namespace kvcache::kernels::avx512vnni
+
+namespace kvcache::kernels::avx512vnni {
+
+void attend_q4(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
+  if (tokens == 0) return;
+  const std::uint32_t nb = q4_value_blocks(head_dim);
+  if (nb != 2 && nb != 4 && nb != 8) {  // values in float (see accumulate_q4): the steps apart
+    alignas(64) float s[4 * value_tile];
+    for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+      const std::uint32_t n = nq - i0 < 4 ? nq - i0 : 4;
+      scores_q4_by_four(q + static_cast<std::size_t>(i0) * head_dim, n, k, tokens, head_dim, s, value_tile,
+                        i0 == 0 ? pf : prefetch_region{});
+      for (std::uint32_t i = 0; i < n; ++i) {
+        float* row = s + i * value_tile;
+        float mx = run_max[i0 + i];
+        for (std::uint32_t t = 0; t < tokens; ++t) mx = row[t] > mx ? row[t] : mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (std::uint32_t t = 0; t < tokens; t += 16) {
+          const __mmask16 mt = first(tokens - t);
+          const __m512 p = _mm512_maskz_mov_ps(
+              mt, exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, row + t), _mm512_set1_ps(mx))));
+          _mm512_storeu_ps(row + t, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        if (mx != run_max[i0 + i]) {
+          const float old = run_max[i0 + i];
+          const float corr = old < -3.0e38f ? 0.0f : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(old - mx)));
+          float* a = acc + static_cast<std::size_t>(i0 + i) * head_dim;
+          for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
+          run_sum[i0 + i] *= corr;
+          run_max[i0 + i] = mx;
+        }
+        run_sum[i0 + i] += _mm512_reduce_add_ps(sum);
+      }
+      avx512::float_q4().accumulate_q4(s, value_tile, n, v, tokens, head_dim, acc + static_cast<std::size_t>(i0) * head_dim,
+                                       {});
+    }
+    return;
+  }
+  // Spread over the channel quads of the first queries' scores and the token quads of their value
+  // columns: all of it in the scores alone (three lines a quad) stalled them.
+  row_prefetch rp(pf, (head_dim + 3) / 4 + nb * ((tokens + 3) / 4));
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: attend_nq<1>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 2: attend_nq<2>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 3: attend_nq<3>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      default: attend_nq<4>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
     }
   }
 }

@@ -30,6 +30,8 @@ using scores_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, s
                           std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
 using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
                               std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
+using attend_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+                          std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf);
 #if defined(KVCACHE_HAVE_AVX2)
 namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }
 namespace avx2vnni { scores_q4_fn scores_q4; }
@@ -39,6 +41,7 @@ namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept
 namespace avx512vnni {
 scores_q4_fn scores_q4;
 accumulate_q4_fn accumulate_q4;
+attend_q4_fn attend_q4;
 }
 #endif
 #if defined(KVCACHE_HAVE_NEON)

@@ -542,6 +542,78 @@ TEST_P(Kernels, AccumulateQ4) {
       }
 }
 
+// The fused online-softmax step over one Q4 group (table::attend_q4, where a table has one)
+// against the same step in float64 on the table's own scores (scores_q4 is tested above) and the
+// stored values: the running max exactly, the running sum to float rounding, the accumulators
+// within the int8 weights' bound (as in AccumulateQ4) of the rescaled old ones plus the new sums.
+TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
+  KVCACHE_SEED_TRACE();
+  bool any = false;
+  for (const kernels::table* t : q4_tables(GetParam())) {
+    if (t->attend_q4 == nullptr) continue;
+    any = true;
+    for (std::uint32_t hd : head_dims)
+      for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
+        for (std::uint32_t tokens : {1u, 2u, 7u, 16u, 17u, 31u, 32u})
+          for (int state = 0; state < 3; ++state) {  // first group; max grows; max stays
+            SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " state=", state));
+            const std::uint32_t nb = kvcache::q4_value_blocks(hd);
+            const std::vector<half> krows = make_rows(rng_, tokens, hd, hd), vrows = make_rows(rng_, tokens, hd, hd);
+            std::vector<q4_block> kb(hd + 1), vb(tokens * nb + 1);
+            ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kb.data() + 1);
+            ref_->quantize_values(vrows.data() + 1, hd, tokens, hd, vb.data() + 1);
+            std::vector<float> q(nq * hd + 1);
+            for (float& x : q) x = normal();
+            std::vector<float> s(nq * 32);
+            t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, s.data(), 32, {});
+            std::vector<float> run_max(nq + 2), run_sum(nq + 2), acc(nq * hd + 2);
+            for (std::uint32_t i = 0; i < nq; ++i) {
+              const float top = *std::max_element(s.begin() + i * 32, s.begin() + i * 32 + tokens);
+              run_max[1 + i] = state == 0 ? -std::numeric_limits<float>::infinity() : state == 1 ? top - 3.0f : top + 2.0f;
+              run_sum[1 + i] = state == 0 ? 0.0f : 1.0f + std::abs(normal());
+            }
+            for (std::uint32_t j = 0; j < nq * hd; ++j) acc[1 + j] = state == 0 ? 0.0f : normal();
+            const std::vector<float> max0 = run_max, sum0 = run_sum, acc0 = acc;
+            t->attend_q4(q.data() + 1, nq, kb.data() + 1, vb.data() + 1, tokens, hd, run_max.data() + 1,
+                         run_sum.data() + 1, acc.data() + 1, {});
+            ASSERT_EQ(run_max[0], max0[0]);
+            ASSERT_EQ(run_max.back(), max0.back());
+            ASSERT_EQ(acc[0], acc0[0]);
+            ASSERT_EQ(acc.back(), acc0.back());
+            const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+            for (std::uint32_t i = 0; i < nq; ++i) {
+              const float* si = s.data() + i * 32;
+              const float top = *std::max_element(si, si + tokens);
+              const double m = std::max<double>(max0[1 + i], top);
+              ASSERT_EQ(run_max[1 + i], static_cast<float>(m)) << "i=" << i;
+              const double corr = state == 0 ? 0.0 : std::exp2(max0[1 + i] - m);
+              std::vector<double> w(tokens);
+              double wsum = 0;
+              for (std::uint32_t tt = 0; tt < tokens; ++tt) wsum += w[tt] = std::exp2(si[tt] - m);
+              const double want_sum = sum0[1 + i] * corr + wsum;
+              ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-5 * want_sum) << "i=" << i;
+              const double wmax = *std::max_element(w.begin(), w.end());
+              for (std::uint32_t d = 0; d < hd; ++d) {
+                const q4_block* col = vb.data() + 1 + d / 32;
+                double ref = acc0[1 + i * hd + d] * corr, mag = std::abs(ref), smax = 0, centred = 0;
+                for (std::uint32_t tt = 0; tt < tokens; ++tt) {
+                  double cm;
+                  const double vv = code_value(col[tt * nb], d % 32, &cm);
+                  ref += w[tt] * vv;
+                  mag += w[tt] * (cm + 16.0 * kvcache::to_float(col[tt * nb].scale));
+                  smax = std::max<double>(smax, kvcache::to_float(col[tt * nb].scale));
+                  centred += std::abs(kvcache::q4_code(col[tt * nb], d % 32) - 8.0);
+                }
+                // The weights carry the polynomial exp2's error (~1e-6 relative) besides rounding.
+                const double tol = 1e-5 * mag + (int8 ? (0.5 + 1e-4) * wmax * smax / 255.0 * centred : 0.0) + 1e-30;
+                ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
+              }
+            }
+          }
+  }
+  if (!any) GTEST_SKIP() << "no table of this ISA has a fused Q4 step on this CPU";
+}
+
 // The int8 arithmetic is chosen wherever the CPU has it, and find(isa, arith) gives both.
 TEST_P(Kernels, Q4ArithmeticVariants) {
   const std::vector<const kernels::table*> ts = q4_tables(GetParam());

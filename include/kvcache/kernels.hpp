@@ -93,6 +93,20 @@ struct table {
   q4_arith q4 = q4_arith::float32;
   /// The arithmetic of accumulate_q4 (int8 only for some head_dims: see q4_arith::int8).
   q4_arith q4_values = q4_arith::float32;
+
+  /// Optional, nullptr where a table has none (attend() then calls scores_q4, its own softmax step
+  /// and accumulate_q4): one online-softmax step of decode attention over one Q4 group with Q4
+  /// values, k = q4_block[head_dim] and v = q4_block[tokens][q4_value_blocks(head_dim)],
+  /// tokens 1..32, for queries q [nq][head_dim] that give base-2 logits. For each query i:
+  /// s_t = its scores as scores_q4 computes them, m = max(run_max[i], max_t s_t); where m exceeds
+  /// run_max[i], acc[i][..] and run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while
+  /// run_max[i] is -inf); then with w_t = 2^(s_t - m): run_sum[i] += sum_t w_t, acc[i][..] +=
+  /// sum_t w_t v_t as accumulate_q4 sums it, run_max[i] = m. One call instead of three, with the
+  /// scores and weights of four queries kept side by side. pf: see prefetch_region.
+  /// // q [nq][head_dim], run_max, run_sum [nq], acc [nq][head_dim]
+  void (*attend_q4)(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+                    std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
+                    prefetch_region pf) = nullptr;
 };
 
 /// The table of the active ISA (see isa.hpp).
