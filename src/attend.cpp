@@ -359,6 +359,8 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
 // online-softmax step taken, and its values summed while the tile's keys and values are still in
 // cache. One head at a time reads a contiguous cache's K and V as two sequential streams; all
 // heads of a task together read a paged block or a Q4 group (every head side by side) as one.
+// Where the kernel table has a fused Q4 step (table::attend_q4), a Q4 group with Q4 values is a
+// tile of its own: one call per head does its scores, softmax step and values.
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
