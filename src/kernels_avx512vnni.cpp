@@ -126,6 +126,9 @@ inline void codes4(const std::uint8_t* c0, const std::uint8_t* c1, const std::ui
 // with no conversion and no packing.
 constexpr float round_magic = 12582912.0f;
 
+// Widest head the int8 key scores take (see scores_q4).
+constexpr std::uint32_t int8_key_channels = 16384;
+
 // vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order.
 constexpr byte_index make_low_bytes() {
   byte_index x{};
@@ -584,6 +587,12 @@ void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned to
 
 void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride, prefetch_region pf) {
+  // The int32 sums of the high nibbles (codes times 16) take up to 4 * 240 * 128 per channel
+  // quad: past 2^14 channels they would near 2^31. Heads that wide get the float kernel.
+  if (head_dim > int8_key_channels) {
+    avx512::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
+    return;
+  }
   scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
@@ -621,8 +630,8 @@ void attend_q4(const float* q, std::uint32_t nq, const q4_block* k, const q4_blo
     alignas(64) float s[4 * value_tile];
     for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
       const std::uint32_t n = nq - i0 < 4 ? nq - i0 : 4;
-      scores_q4_by_four(q + static_cast<std::size_t>(i0) * head_dim, n, k, tokens, head_dim, s, value_tile,
-                        i0 == 0 ? pf : prefetch_region{});
+      scores_q4(q + static_cast<std::size_t>(i0) * head_dim, n, k, tokens, head_dim, s, value_tile,
+                i0 == 0 ? pf : prefetch_region{});
       for (std::uint32_t i = 0; i < n; ++i) {
         float* row = s + i * value_tile;
         float mx = run_max[i0 + i];
