@@ -505,21 +505,20 @@ void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned
 
 // ---- the online-softmax step over one group: scores, weights and values of four queries -------
 
-// 2^x for x <= 0, as attend()'s softmax step computes it (attend_softmax_simd.inl): clamped at
-// -125, so never a denormal; a degree-6 polynomial of e^(f ln 2) on the fraction, times 2^i.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-  const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, i), _mm512_set1_ps(0.69314718f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, i);
-}
+// The vector interface exp2_simd.inl needs: 16 float lanes.
+struct S {
+  using vf = __m512;
+  static vf set1(float x) { return _mm512_set1_ps(x); }
+  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static vf pow2(vf p, vf i) { return _mm512_scalef_ps(p, i); }
+};
+
+// 2^x for x <= 0, as attend()'s softmax step computes it.
+#include "exp2_simd.inl"
 
 // table::attend_q4 for NQ (1..4) queries: the scores into a local tile, the softmax step with the
 // queries' maxima and sums each reduced in one tree, the weights back into the tile (where the
