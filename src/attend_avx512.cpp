@@ -23,21 +23,15 @@ namespace {
 
 #include "row_prefetch.inl"
 
+#include "avx512_float_ops.inl"
+
 // The vector interface of attend_softmax_simd.inl: 16 float lanes.
-struct S {
-  using vf = __m512;
+struct S : avx512_float_ops {
   static constexpr std::uint32_t W = 16;
-  static vf set1(float x) { return _mm512_set1_ps(x); }
   static vf zero() { return _mm512_setzero_ps(); }
   static vf load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
   static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
-  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
-  static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-  static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static vf pow2(vf p, vf i) { return _mm512_scalef_ps(p, i); }
   static float hmax(vf x) { return _mm512_reduce_max_ps(x); }
   static bool any_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
   static float hsum(vf x) { return _mm512_reduce_add_ps(x); }

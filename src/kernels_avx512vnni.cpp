@@ -505,17 +505,8 @@ void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned
 
 // ---- the online-softmax step over one group: scores, weights and values of four queries -------
 
-// The vector interface exp2_simd.inl needs: 16 float lanes.
-struct S {
-  using vf = __m512;
-  static vf set1(float x) { return _mm512_set1_ps(x); }
-  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
-  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-  static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-  static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static vf pow2(vf p, vf i) { return _mm512_scalef_ps(p, i); }
-};
+#include "avx512_float_ops.inl"
+using S = avx512_float_ops;
 
 // 2^x for x <= 0, as attend()'s softmax step computes it.
 #include "exp2_simd.inl"
