@@ -513,12 +513,15 @@ using S = avx512_float_ops;
 
 // table::attend_q4 for NQ (1..4) queries: the scores into a local tile, the softmax step with the
 // queries' maxima and sums each reduced in one tree, the weights back into the tile (where the
-// value set-up reads them from L1), and the values.
+// value set-up reads them from L1), and the values. Keys wider than int8_key_channels and values
+// of other than 2, 4 or 8 blocks a token go to the float kernels, as in scores_q4 and
+// accumulate_q4.
 template <unsigned NQ>
 void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned tokens, unsigned hd, float* run_max,
                float* run_sum, float* acc, row_prefetch* pf) {
   alignas(64) float w[NQ][value_tile];
-  scores_nq<NQ>(q, k, tokens, hd, &w[0][0], value_tile, pf);
+  if (hd <= int8_key_channels) scores_nq<NQ>(q, k, tokens, hd, &w[0][0], value_tile, pf);
+  else avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], value_tile, {});  // see scores_q4
   const __mmask16 m0 = first(lanes(tokens, 0)), m1 = first(lanes(tokens, 1));
   const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
   __m512 s[NQ][2], mx[4];
@@ -570,7 +573,9 @@ void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned to
     }
     run_sum[i] += total[4 * i];
   }
-  values_nb<NQ>(&w[0][0], value_tile, v, tokens, hd, acc, pf);
+  const unsigned nb = q4_value_blocks(hd);
+  if (nb == 2 || nb == 4 || nb == 8) values_nb<NQ>(&w[0][0], value_tile, v, tokens, hd, acc, pf);
+  else avx512::float_q4().accumulate_q4(&w[0][0], value_tile, NQ, v, tokens, hd, acc, {});  // see accumulate_q4
 }
 
 }  // namespace
@@ -616,39 +621,6 @@ void attend_q4(const float* q, std::uint32_t nq, const q4_block* k, const q4_blo
                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
   if (tokens == 0) return;
   const std::uint32_t nb = q4_value_blocks(head_dim);
-  if (nb != 2 && nb != 4 && nb != 8) {  // values in float (see accumulate_q4): the steps apart
-    alignas(64) float s[4 * value_tile];
-    for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-      const std::uint32_t n = nq - i0 < 4 ? nq - i0 : 4;
-      scores_q4(q + static_cast<std::size_t>(i0) * head_dim, n, k, tokens, head_dim, s, value_tile,
-                i0 == 0 ? pf : prefetch_region{});
-      for (std::uint32_t i = 0; i < n; ++i) {
-        float* row = s + i * value_tile;
-        float mx = run_max[i0 + i];
-        for (std::uint32_t t = 0; t < tokens; ++t) mx = row[t] > mx ? row[t] : mx;
-        __m512 sum = _mm512_setzero_ps();
-        for (std::uint32_t t = 0; t < tokens; t += 16) {
-          const __mmask16 mt = first(tokens - t);
-          const __m512 p = _mm512_maskz_mov_ps(
-              mt, exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, row + t), _mm512_set1_ps(mx))));
-          _mm512_storeu_ps(row + t, p);
-          sum = _mm512_add_ps(sum, p);
-        }
-        if (mx != run_max[i0 + i]) {
-          const float old = run_max[i0 + i];
-          const float corr = old < -3.0e38f ? 0.0f : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(old - mx)));
-          float* a = acc + static_cast<std::size_t>(i0 + i) * head_dim;
-          for (std::uint32_t d = 0; d < head_dim; ++d) a[d] *= corr;
-          run_sum[i0 + i] *= corr;
-          run_max[i0 + i] = mx;
-        }
-        run_sum[i0 + i] += _mm512_reduce_add_ps(sum);
-      }
-      avx512::float_q4().accumulate_q4(s, value_tile, n, v, tokens, head_dim, acc + static_cast<std::size_t>(i0) * head_dim,
-                                       {});
-    }
-    return;
-  }
   // Spread over the channel quads of the first queries' scores and the token quads of their value
   // columns: all of it in the scores alone (three lines a quad) stalled them.
   row_prefetch rp(pf, (head_dim + 3) / 4 + nb * ((tokens + 3) / 4));
