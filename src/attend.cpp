@@ -108,6 +108,12 @@ result<void> validate_view(const layer_view& v, std::size_t s, const attention_p
   return {};
 }
 
+// A position in a view: token `off` of chunk `ci`. A task reads the tokens of a sequence from one
+// cursor up to (not including) another.
+struct cursor {
+  std::uint32_t ci = 0, off = 0;
+};
+
 // One call's shared, read-only state.
 struct call {
   const kernels::table* kt;
@@ -117,6 +123,9 @@ struct call {
   float* out;      // [sequence][q_head][head_dim]
   std::uint32_t kv_heads, head_dim, group, tile;
   std::uint32_t heads_per_task, tasks_per_seq;
+  std::uint32_t parts;   // token ranges per sequence (tasks_per_seq = parts * head runs)
+  const cursor* bounds;  // [sequence][parts + 1]: where each part starts and ends
+  float* partial;        // [sequence][part][kv head][partial_floats], when parts > 1
   float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
   float* scratch;
   std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats
@@ -124,6 +133,12 @@ struct call {
   bool fused_values;          // detail::attend_avx512::accumulate_segments handles this shape
   detail::value_segment* segments;  // [worker][tile] scratch for it
 };
+
+// Floats of one head's partial result (parts > 1): running max [group], running sum [group],
+// unnormalised accumulators [group][head_dim].
+std::size_t partial_floats(std::uint32_t group, std::uint32_t head_dim) {
+  return round_up64(2 * static_cast<std::size_t>(group) + static_cast<std::size_t>(group) * head_dim);
+}
 
 // One head's state in a worker's scratch: folded queries qf and accumulators acc [group][head_dim],
 // scores s [group][tile], running max and sum [group].
@@ -361,10 +376,15 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
 // heads of a task together read a paged block or a Q4 group (every head side by side) as one.
 // Where the kernel table has a fused Q4 step (table::attend_q4), a Q4 group with Q4 values is a
 // tile of its own: one call per head does its scores, softmax step and values.
-void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker) {
+// The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
+// where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
+void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
+               cursor b, cursor e, float* partial) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
+  const std::uint32_t end = e.off > 0 ? e.ci + 1 : e.ci;  // chunks [b.ci, end) hold the range
+  auto tokens_of = [&](std::uint32_t ci) { return ci == e.ci ? e.off : view.chunks[ci].tokens; };
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb; ++h) {
@@ -382,13 +402,14 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 
   prefetch_stream pf;
   // Cursor: chunk ci, token offset off.
-  std::uint32_t ci = 0, off = 0;
-  while (ci < view.count) {
+  std::uint32_t ci = b.ci, off = b.off;
+  while (ci < end) {
     std::uint32_t start_ci = ci, start_off = off;  // where the tile starts
     std::uint32_t filled = 0;
-    for (; ci < view.count && filled < tile; ++ci, off = 0) {
+    for (; ci < end && filled < tile; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
-      if (ch.tokens == 0) continue;
+      const std::uint32_t ch_tokens = tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
+      if (off >= ch_tokens) continue;                  // empty (or an empty part)
       if (filled == 0 && c.kt->attend_q4 != nullptr && ch.k_format == format::q4 && ch.v_format == format::q4) {
         // A whole Q4 group, keys and values, in one call per head (validated: off == 0): scores,
         // softmax step and values of all the head's queries at once.
@@ -406,7 +427,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
-      const std::uint32_t n = std::min(tile - filled, ch.tokens - off);
+      const std::uint32_t n = std::min(tile - filled, ch_tokens - off);
       const chunk* fol = following(view, ci);
       if (off == 0) {
         // Kernel calls per chunk: one score call per head, and one accumulate call per head per
@@ -419,7 +440,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         score_chunk(c, ch, fol, h, off, n, hs.qf, hs.s + filled, pf);
       }
       filled += n;
-      if (off + n < ch.tokens) {  // the tile is full inside this chunk
+      if (off + n < ch_tokens) {  // the tile is full inside this chunk
         off += n;
         break;
       }
@@ -434,6 +455,17 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
   }
 
+  if (partial != nullptr) {
+    const std::size_t pfl = partial_floats(g, hd);
+    for (std::uint32_t h = ha; h < hb; ++h) {
+      const head_state hs = st(h);
+      float* ph = partial + (h - ha) * pfl;
+      std::memcpy(ph, hs.run_max, g * sizeof(float));
+      std::memcpy(ph + g, hs.run_sum, g * sizeof(float));
+      std::memcpy(ph + 2 * g, hs.acc, gd * sizeof(float));
+    }
+    return;
+  }
   for (std::uint32_t h = ha; h < hb; ++h) {
     const head_state hs = st(h);
     float* oh = c.out + (seq * c.kv_heads + h) * gd;
@@ -448,27 +480,104 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 // large (a contiguous cache; paged blocks of two tiles or more, whose ends prefetch the following
 // block's rows: 64-token blocks ran at 0.78 of contiguous all heads together, 0.96 head by head),
 // all heads together when they are small (paged blocks of 16 or 32 tokens, Q4 groups).
+// A split sequence's task is one part of its tokens (parts > 1) and a run of its kv heads.
 void run_task(const call& c, std::size_t task, unsigned worker) {
   const std::size_t seq = task / c.tasks_per_seq;
-  const std::uint32_t h0 = static_cast<std::uint32_t>(task % c.tasks_per_seq) * c.heads_per_task;
+  const std::uint32_t in_seq = static_cast<std::uint32_t>(task % c.tasks_per_seq);
+  const std::uint32_t part = in_seq % c.parts;
+  const std::uint32_t h0 = in_seq / c.parts * c.heads_per_task;
   const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
   float* base = c.scratch + worker * c.worker_stride;
   const layer_view& view = c.views[seq];
+  cursor b{}, e{view.count, 0};
+  float* partial = nullptr;
+  const std::size_t pfl = partial_floats(c.group, c.head_dim);
+  if (c.parts > 1) {
+    b = c.bounds[seq * (c.parts + 1) + part];
+    e = c.bounds[seq * (c.parts + 1) + part + 1];
+    partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
+  }
   const bool large = view.count <= 1 || view.tokens / view.count >= 2 * c.tile;
   if (large) {
-    for (std::uint32_t h = h0; h < h1; ++h) run_heads(c, seq, h, h + 1, base, worker);
+    for (std::uint32_t h = h0; h < h1; ++h)
+      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl);
   } else {
-    run_heads(c, seq, h0, h1, base, worker);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial);
   }
 }
 
-// Kv heads per task: all of a sequence's heads when there are at least as many sequences as
-// workers, else split so that every worker gets a task.
-std::uint32_t heads_per_task(std::size_t seqs, std::uint32_t kv_heads, unsigned workers) {
-  if (seqs >= workers) return kv_heads;
-  const std::size_t split = std::min<std::size_t>(kv_heads, (workers + seqs - 1) / seqs);
-  return static_cast<std::uint32_t>((kv_heads + split - 1) / split);
+// Where the `parts` parts of a view start and end (parts + 1 cursors): near-equal token counts,
+// a Q4 key chunk (scored whole) going whole to the part where most of it falls.
+void split_view(const layer_view& view, std::uint32_t parts, cursor* bounds) {
+  bounds[0] = {0, 0};
+  std::uint32_t ci = 0, pos = 0;  // chunk ci starts at token pos
+  for (std::uint32_t j = 1; j < parts; ++j) {
+    const auto target = static_cast<std::uint32_t>(static_cast<std::uint64_t>(view.tokens) * j / parts);
+    while (ci < view.count && pos + view.chunks[ci].tokens <= target) pos += view.chunks[ci++].tokens;
+    cursor at{ci, target - pos};
+    if (ci < view.count && at.off > 0 && view.chunks[ci].k_format == format::q4)
+      at = 2 * at.off < view.chunks[ci].tokens ? cursor{ci, 0} : cursor{ci + 1, 0};
+    const cursor& prev = bounds[j - 1];
+    if (at.ci < prev.ci || (at.ci == prev.ci && at.off < prev.off)) at = prev;  // never backwards
+    bounds[j] = at;
+  }
+  bounds[parts] = {view.count, 0};
 }
+
+// The out rows of split sequences: the parts' partial results combined, per query, with weights
+// 2^(max_p - max) (scores are in the base-2 domain).
+void merge(const call& c, std::size_t seqs) {
+  const std::uint32_t g = c.group, hd = c.head_dim, parts = c.parts;
+  const std::size_t pfl = partial_floats(g, hd), part_stride = c.kv_heads * pfl;
+  for (std::size_t s = 0; s < seqs; ++s)
+    for (std::uint32_t h = 0; h < c.kv_heads; ++h) {
+      const float* p0 = c.partial + (s * parts * c.kv_heads + h) * pfl;  // part 0 of head h
+      for (std::uint32_t i = 0; i < g; ++i) {
+        float* o = c.out + ((s * c.kv_heads + h) * g + i) * hd;
+        float m = -std::numeric_limits<float>::infinity();
+        for (std::uint32_t p = 0; p < parts; ++p) m = std::max(m, p0[p * part_stride + i]);
+        std::fill(o, o + hd, 0.0f);
+        if (m == -std::numeric_limits<float>::infinity()) continue;  // no tokens
+        float sum = 0.0f;
+        for (std::uint32_t p = 0; p < parts; ++p) {
+          const float* pp = p0 + p * part_stride;
+          if (pp[g + i] == 0.0f) continue;  // an empty part
+          const float w = std::exp2(pp[i] - m);
+          sum += w * pp[g + i];
+          const float* acc = pp + 2 * g + static_cast<std::size_t>(i) * hd;
+          for (std::uint32_t d = 0; d < hd; ++d) o[d] += w * acc[d];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (std::uint32_t d = 0; d < hd; ++d) o[d] *= inv;
+      }
+    }
+}
+
+// Fewest tokens of a part of a split sequence.
+constexpr std::uint32_t min_part_tokens = 512;
+
+// How a call's sequences are cut into tasks: one per sequence (all its kv heads, so that each
+// chunk's K and V are read as one stream) when there are at least as many sequences as workers;
+// else each sequence's tokens are split into parts (each read with all its kv heads, merged after)
+// and, where the views are too short for enough parts, its kv heads into runs, so that every
+// worker gets a task.
+struct task_split {
+  std::uint32_t parts = 1, heads_per_task = 0;
+};
+task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, unsigned workers) {
+  const std::size_t seqs = views.size();
+  if (seqs >= workers) return {1, kv_heads};
+  const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
+  std::uint32_t longest = 0;
+  for (const layer_view& v : views) longest = std::max(longest, v.tokens);
+  const std::uint32_t parts = std::clamp<std::uint32_t>(longest / min_part_tokens, 1, want);
+  const std::uint32_t runs = std::min(kv_heads, (want + parts - 1) / parts);
+  return {parts, (kv_heads + runs - 1) / runs};
+}
+
+// Bound on parts * sequences for `workers` workers (parts <= ceil(workers / seqs), seqs < workers):
+// below 2 workers; none for one worker.
+std::size_t max_parts(unsigned workers) { return workers < 2 ? 0 : 2 * static_cast<std::size_t>(workers); }
 
 }  // namespace
 
@@ -479,6 +588,10 @@ struct attention_workspace::impl {
   std::size_t scratch_floats = 0;
   std::unique_ptr<detail::value_segment[]> segments;  // [worker][tile]
   std::size_t segment_count = 0;
+  std::unique_ptr<float[]> partial;  // split sequences: [sequence][part][kv head][partial_floats]
+  std::size_t partial_count = 0;
+  std::unique_ptr<cursor[]> bounds;  // split sequences: [sequence][parts + 1]
+  std::size_t bound_count = 0;
 
   // Pool: threads.size() background workers (worker indices 1..n); the caller is worker 0.
   std::vector<std::thread> threads;
@@ -511,6 +624,26 @@ struct attention_workspace::impl {
       return fail(errc::out_of_memory, "attend: workspace scratch", {{"bytes", static_cast<long long>(floats * sizeof(float))}});
     scratch.reset(p);
     scratch_floats = floats;
+    return {};
+  }
+
+  result<void> grow_partial(std::size_t floats, std::size_t cursors) {
+    if (floats > partial_count) {
+      float* p = new (std::nothrow) float[floats];
+      if (p == nullptr)
+        return fail(errc::out_of_memory, "attend: workspace partial results",
+                    {{"bytes", static_cast<long long>(floats * sizeof(float))}});
+      partial.reset(p);
+      partial_count = floats;
+    }
+    if (cursors > bound_count) {
+      cursor* p = new (std::nothrow) cursor[cursors];
+      if (p == nullptr)
+        return fail(errc::out_of_memory, "attend: workspace part bounds",
+                    {{"bytes", static_cast<long long>(cursors * sizeof(cursor))}});
+      bounds.reset(p);
+      bound_count = cursors;
+    }
     return {};
   }
 
@@ -586,7 +719,9 @@ attention_workspace::attention_workspace(attention_workspace&&) noexcept = defau
 attention_workspace& attention_workspace::operator=(attention_workspace&&) noexcept = default;
 
 std::size_t attention_workspace::scratch_bytes() const noexcept {
-  return impl_ ? impl_->scratch_floats * sizeof(float) + impl_->segment_count * sizeof(detail::value_segment) : 0;
+  if (!impl_) return 0;
+  return impl_->scratch_floats * sizeof(float) + impl_->segment_count * sizeof(detail::value_segment) +
+         impl_->partial_count * sizeof(float) + impl_->bound_count * sizeof(cursor);
 }
 
 result<void> attention_workspace::reserve(const attention_params& p) {
@@ -600,6 +735,10 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
   KVCACHE_TRY(impl_->grow_scratch(per * workers));
   KVCACHE_TRY(impl_->grow_segments(static_cast<std::size_t>(tile_tokens(p.q_heads / p.kv_heads)) * workers));
+  // Split sequences: parts * sequences partial results, sequences * (parts + 1) < 3 workers bounds.
+  const std::size_t parts = max_parts(workers);
+  KVCACHE_TRY(impl_->grow_partial(parts * p.kv_heads * partial_floats(p.q_heads / p.kv_heads, p.head_dim),
+                                  parts == 0 ? 0 : parts + workers));
   if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
   return {};
 }
@@ -632,15 +771,20 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   if (kt.which == isa::avx512) softmax = detail::attend_avx512::softmax_tile;
 #endif
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
-  const std::uint32_t hpt = heads_per_task(views.size(), p.kv_heads, workers);
-  const std::uint32_t tasks_per_seq = (p.kv_heads + hpt - 1) / hpt;
+  const task_split split = split_tasks(views, p.kv_heads, workers);
+  const std::uint32_t hpt = split.heads_per_task;
+  const std::uint32_t tasks_per_seq = split.parts * ((p.kv_heads + hpt - 1) / hpt);
+  cursor* bounds = ws.impl_->bounds.get();
+  if (split.parts > 1)
+    for (std::size_t s = 0; s < views.size(); ++s) split_view(views[s], split.parts, bounds + s * (split.parts + 1));
   bool fused_values = false;
 #if defined(KVCACHE_HAVE_AVX512)
   fused_values = kt.which == isa::avx512 && p.head_dim % 16 == 0 &&
                  (group == 1 || group == 2 || group == 4 || group == 8);
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, tile_tokens(group),
-               hpt, tasks_per_seq, scale * log2e, ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
+               hpt, tasks_per_seq, split.parts, bounds, ws.impl_->partial.get(), scale * log2e,
+               ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get()};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
@@ -649,6 +793,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   void* ctx = const_cast<call*>(&c);
   if (p.pool.run != nullptr) p.pool.run(p.pool.pool, tasks, fn, ctx);
   else ws.impl_->run(tasks, fn, ctx, p.threads);
+  if (split.parts > 1) merge(c, views.size());
   return {};
 }
 

@@ -555,6 +555,49 @@ TEST_P(attend_isa, results_do_not_depend_on_threads_or_pool) {
   EXPECT_EQ(0, std::memcmp(single.data(), one.data(), row * sizeof(float)));
 }
 
+// Fewer sequences than workers: each sequence's tokens are split into parts (at least 512
+// tokens each, Q4 key groups kept whole) read by different workers and merged. Every chunking and
+// format, parts that start and end inside chunks, sequences too short to split (empty parts).
+TEST_P(attend_isa, split_sequences_match_float64_reference) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(21);
+  const struct {
+    unsigned threads;
+    std::vector<std::uint32_t> lengths;
+  } cases[] = {{2, {3000}}, {3, {1500, 40}}, {5, {2049}}, {8, {2000, 700, 1}}, {16, {4100}}};
+  for (pattern p : all_patterns)
+    for (const auto& c : cases) {
+      const case_result r = run_case(rng, {8, 2, 64}, p, c.lengths, c.threads);
+      ASSERT_TRUE(r.vs_eff.finite) << name(p) << " threads=" << c.threads;
+      EXPECT_LE(r.vs_eff.max_rel, tolerance(p, 64)) << name(p) << " threads=" << c.threads << " first length=" << c.lengths[0];
+    }
+  // Through an engine pool: one sequence of 3000 tokens, 2 kv heads and 4 workers is 4 parts of
+  // all heads (a split by heads alone would be 2 tasks), within float rounding of one thread.
+  const shape s{8, 2, 64};
+  built_view b = build(random_kv(rng, s.kv_heads, s.head_dim, 3000), chunking(pattern::paged16_f16, 3000, rng));
+  const layer_view lv = b.view();
+  const std::vector<float> q = random_q(rng, static_cast<std::size_t>(s.q_heads) * s.head_dim, 1.0f);
+  std::vector<float> one(q.size()), split(q.size());
+  attention_workspace ws;
+  attention_params p{s.q_heads, s.kv_heads, s.head_dim, 0.0f, 1, {}};
+  ASSERT_TRUE(kvcache::attend(p, std::span(&lv, 1), q, one, ws).has_value());
+  std::vector<std::size_t> seen;
+  p.pool.run = [](void* pl, std::size_t count, kvcache::parallel_for::task_fn task, void* ctx) {
+    auto& sn = *static_cast<std::vector<std::size_t>*>(pl);
+    for (std::size_t i = count; i-- > 0;) {
+      sn.push_back(i);
+      task(ctx, i, static_cast<unsigned>(i % 4));
+    }
+  };
+  p.pool.pool = &seen;
+  p.pool.workers = 4;
+  ASSERT_TRUE(kvcache::attend(p, std::span(&lv, 1), q, split, ws).has_value());
+  EXPECT_EQ(seen.size(), 4u);
+  double vmax = 0.0;
+  for (double x : b.v_eff) vmax = std::max(vmax, std::abs(x));
+  for (std::size_t i = 0; i < q.size(); ++i) EXPECT_NEAR(split[i], one[i], 1e-5 * vmax) << i;
+}
+
 // ---- through the real caches -------------------------------------------------------------------
 
 // The K/V a view holds, decoded token by token with the scalar reference kernels, independently

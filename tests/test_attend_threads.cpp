@@ -1,11 +1,13 @@
 // attend()'s own thread pool and an engine-supplied parallel_for, driven hard enough for
 // ThreadSanitizer (CI runs every *threads* test under -fsanitize=thread): many calls through one
-// persistent pool, and two engine threads each with its own workspace reading the same caches.
+// persistent pool, two engine threads each with its own workspace reading the same caches, and one
+// long sequence split into parts that several workers read and attend() merges.
 #include <kvcache/attend.hpp>
 #include <kvcache/contiguous_cache.hpp>
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <thread>
@@ -25,16 +27,17 @@ struct fixture_data {
   std::vector<float> q;  // [sequence][q_head][head_dim]
 };
 
-fixture_data make_data(std::uint32_t seed) {
-  auto cache = contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16,
-                                              .max_sequences = sequences, .capacity_tokens = 600});
+// `count` sequences of ragged lengths (a few hundred tokens), or one of `long_tokens`.
+fixture_data make_data(std::uint32_t seed, std::uint32_t count = sequences, std::uint32_t long_tokens = 0) {
+  auto cache = contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16, .max_sequences = count,
+                                              .capacity_tokens = long_tokens > 0 ? long_tokens : 600});
   EXPECT_TRUE(cache.has_value());
   fixture_data d{std::move(cache).value(), {}, {}};
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (std::uint32_t s = 0; s < sequences; ++s) {
+  for (std::uint32_t s = 0; s < count; ++s) {
     const seq_id id = d.cache.create().value();
-    const std::size_t n = 37 + 113 * s;  // ragged lengths, a few hundred tokens
+    const std::size_t n = long_tokens > 0 ? long_tokens : 37 + 113 * s;
     std::vector<float> k(n * shape.token_width()), v(k.size());
     for (float& x : k) x = nd(rng);
     for (float& x : v) x = nd(rng);
@@ -43,7 +46,7 @@ fixture_data make_data(std::uint32_t seed) {
     EXPECT_TRUE(d.cache.commit(id).has_value());
     d.ids.push_back(id);
   }
-  d.q.resize(std::size_t{sequences} * q_heads * shape.head_dim);
+  d.q.resize(std::size_t{count} * q_heads * shape.head_dim);
   for (float& x : d.q) x = nd(rng);
   return d;
 }
@@ -109,6 +112,25 @@ TEST(attend_threads, engine_pool_and_concurrent_workspaces) {
   for (std::thread& t : callers) t.join();
   EXPECT_EQ(results[0], expected);
   EXPECT_EQ(results[1], expected);
+}
+
+// One sequence of 5000 tokens over 4 workers (attend's own, then an engine's): its tokens are
+// split into 4 parts, each part's partial result written by one worker and merged by the caller.
+TEST(attend_threads, split_sequence_over_many_calls) {
+  const fixture_data d = make_data(13, 1, 5000);
+  attention_workspace ws1, ws4, wse;
+  const std::vector<float> single = run(d, params(1), ws1);
+  const std::vector<float> expected = run(d, params(4), ws4);
+  for (std::size_t i = 0; i < single.size(); ++i) ASSERT_NEAR(expected[i], single[i], 1e-4f) << i;
+  unsigned workers = 4;
+  attention_params engine = params(1);
+  engine.pool = parallel_for{.run = engine_run, .pool = &workers, .workers = workers};
+  for (int call = 0; call < 100; ++call) {
+    ASSERT_EQ(run(d, params(4), ws4), expected) << "call " << call;  // the same parts: bitwise equal
+    if (call % 10 == 0) {
+      ASSERT_EQ(run(d, engine, wse), expected) << "call " << call;
+    }
+  }
 }
 
 }  // namespace
