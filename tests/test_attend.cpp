@@ -532,7 +532,8 @@ TEST_P(attend_isa, results_do_not_depend_on_threads_or_pool) {
   EXPECT_EQ(pool.seen.size(), lv.size());  // more sequences than workers: one task per sequence
   EXPECT_EQ(0, std::memcmp(one.data(), three.data(), one.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.data(), pooled.data(), one.size() * sizeof(float)));
-  // One sequence, four workers: its kv heads are split into four tasks; same results.
+  // One sequence of 100 tokens (too short to split by tokens), four workers: its kv heads are split
+  // into four tasks; same results, bit for bit.
   const std::span<const layer_view> first(lv.data(), 1);
   const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;
   std::vector<float> single(row), split(row);
