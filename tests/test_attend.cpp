@@ -780,6 +780,17 @@ TEST(attend, steady_state_allocates_nothing) {
   const long before = g_allocations.load();
   ASSERT_TRUE(kvcache::attend(p, lv, q, out, ws).has_value());
   EXPECT_EQ(g_allocations.load(), before);
+  // The same for one long sequence split by tokens over 4 threads (partial results, part bounds).
+  const built_view d = build(random_kv(rng, 4, 64, 3000), chunking(pattern::two_tier, 3000, rng));
+  const layer_view one = d.view();
+  attention_workspace ws4;
+  const attention_params p4{8, 4, 64, 0.0f, 4, {}};
+  ASSERT_TRUE(ws4.reserve(p4).has_value());
+  const long before4 = g_allocations.load();
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(
+        kvcache::attend(p4, std::span(&one, 1), std::span(q).first(8 * 64), std::span(out).first(8 * 64), ws4).has_value());
+  EXPECT_EQ(g_allocations.load(), before4);
 }
 
 // Every bad input: a typed error naming the value, and `out` untouched.
