@@ -583,6 +583,22 @@ std::size_t max_parts(unsigned workers) { return workers < 2 ? 0 : 2 * static_ca
 
 // ---- workspace: scratch + a small persistent pool ---------------------------------------------
 
+namespace {
+
+// Grows `array` (of `count` elements) to at least n elements; what it held is not kept. 64-byte
+// alignment is not needed for correctness (kernels take unaligned pointers); new[] gives 16.
+template <class T>
+result<void> grow(std::unique_ptr<T[]>& array, std::size_t& count, std::size_t n, const char* what) {
+  if (n <= count) return {};
+  T* p = new (std::nothrow) T[n];
+  if (p == nullptr) return fail(errc::out_of_memory, what, {{"bytes", static_cast<long long>(n * sizeof(T))}});
+  array.reset(p);
+  count = n;
+  return {};
+}
+
+}  // namespace
+
 struct attention_workspace::impl {
   std::unique_ptr<float[]> scratch;
   std::size_t scratch_floats = 0;
@@ -613,49 +629,6 @@ struct attention_workspace::impl {
     }
     wake.notify_all();
     for (std::thread& t : threads) t.join();
-  }
-
-  result<void> grow_scratch(std::size_t floats) {
-    if (floats <= scratch_floats) return {};
-    // 64-byte alignment of each worker's block is not needed for correctness (kernels take
-    // unaligned pointers); new[] of float gives 16-byte alignment.
-    float* p = new (std::nothrow) float[floats];
-    if (p == nullptr)
-      return fail(errc::out_of_memory, "attend: workspace scratch", {{"bytes", static_cast<long long>(floats * sizeof(float))}});
-    scratch.reset(p);
-    scratch_floats = floats;
-    return {};
-  }
-
-  result<void> grow_partial(std::size_t floats, std::size_t cursors) {
-    if (floats > partial_count) {
-      float* p = new (std::nothrow) float[floats];
-      if (p == nullptr)
-        return fail(errc::out_of_memory, "attend: workspace partial results",
-                    {{"bytes", static_cast<long long>(floats * sizeof(float))}});
-      partial.reset(p);
-      partial_count = floats;
-    }
-    if (cursors > bound_count) {
-      cursor* p = new (std::nothrow) cursor[cursors];
-      if (p == nullptr)
-        return fail(errc::out_of_memory, "attend: workspace part bounds",
-                    {{"bytes", static_cast<long long>(cursors * sizeof(cursor))}});
-      bounds.reset(p);
-      bound_count = cursors;
-    }
-    return {};
-  }
-
-  result<void> grow_segments(std::size_t n) {
-    if (n <= segment_count) return {};
-    detail::value_segment* p = new (std::nothrow) detail::value_segment[n];
-    if (p == nullptr)
-      return fail(errc::out_of_memory, "attend: workspace segments",
-                  {{"bytes", static_cast<long long>(n * sizeof(detail::value_segment))}});
-    segments.reset(p);
-    segment_count = n;
-    return {};
   }
 
   void work(unsigned worker) {
@@ -733,12 +706,15 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
   // Room for every kv head of a sequence per worker (a task holds at most that many).
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
-  KVCACHE_TRY(impl_->grow_scratch(per * workers));
-  KVCACHE_TRY(impl_->grow_segments(static_cast<std::size_t>(tile_tokens(p.q_heads / p.kv_heads)) * workers));
+  impl& w = *impl_;
+  KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers, "attend: workspace scratch"));
+  KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(tile_tokens(p.q_heads / p.kv_heads)) * workers,
+                   "attend: workspace segments"));
   // Split sequences: parts * sequences partial results, sequences * (parts + 1) < 3 workers bounds.
   const std::size_t parts = max_parts(workers);
-  KVCACHE_TRY(impl_->grow_partial(parts * p.kv_heads * partial_floats(p.q_heads / p.kv_heads, p.head_dim),
-                                  parts == 0 ? 0 : parts + workers));
+  KVCACHE_TRY(grow(w.partial, w.partial_count, parts * p.kv_heads * partial_floats(p.q_heads / p.kv_heads, p.head_dim),
+                   "attend: workspace partial results"));
+  KVCACHE_TRY(grow(w.bounds, w.bound_count, parts == 0 ? 0 : parts + workers, "attend: workspace part bounds"));
   if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
   return {};
 }
