@@ -12,6 +12,7 @@
 // a small scratch, the low nibbles (tokens 0..15) in the low 128-bit lane and the high nibbles
 // (tokens 16..31) in the high one; and with 16 registers the queries take their turns over it.
 #include "kernels_internal.hpp"
+#if 0  // INTERIM: old Q4 layout, being ported
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -198,3 +199,4 @@ void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_
 }
 
 }  // namespace kvcache::kernels::avx2vnni
+#endif  // INTERIM

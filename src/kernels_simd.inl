@@ -694,7 +694,7 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 }
 
 // The table of this ISA.
-constexpr table simd_table{V::which,       f32_to_f16,      f16_to_f32,        quantize_keys,
-                           dequantize_keys, quantize_values, dequantize_values, scores_f16,
-                           scores_f32,      scores_q4,       accumulate_f16,    accumulate_f32,
-                           accumulate_q4};
+constexpr table simd_table{V::which,       f32_to_f16,      f16_to_f32,        scalar::quantize_keys,
+                           scalar::dequantize_keys, scalar::quantize_values, scalar::dequantize_values, scores_f16,
+                           scores_f32,      scalar::scores_q4,       accumulate_f16,    accumulate_f32,
+                           scalar::accumulate_q4};  // INTERIM: scalar Q4
