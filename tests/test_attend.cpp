@@ -23,7 +23,6 @@ using kvcache::chunk;
 using kvcache::format;
 using kvcache::half;
 using kvcache::layer_view;
-using kvcache::q4_block;
 
 /// One chunk to build: its tokens, formats, and the token capacity that sets its head stride.
 struct chunk_spec {
@@ -77,11 +76,11 @@ struct built_view {
 };
 
 inline std::size_t key_head_bytes(const chunk_spec& c, std::uint32_t hd) {
-  if (c.k_format == format::q4) return sizeof(q4_block) * hd + 20;  // + 20: strides need not be tight
+  if (c.k_format == format::q4) return kvcache::q4_key_group_bytes(hd) + 20;  // + 20: strides need not be tight
   return kvcache::dense_element_bytes(c.k_format) * c.capacity * hd;
 }
 inline std::size_t value_head_bytes(const chunk_spec& c, std::uint32_t hd) {
-  if (c.v_format == format::q4) return sizeof(q4_block) * kvcache::q4_value_blocks(hd) * c.capacity;
+  if (c.v_format == format::q4) return kvcache::q4_value_group_bytes(hd) + 2;
   return kvcache::dense_element_bytes(c.v_format) * c.capacity * hd;
 }
 
@@ -137,14 +136,24 @@ inline built_view build(const kv_data& data, const std::vector<chunk_spec>& spec
             }
           }
         if (f != format::q4 || s.tokens == 0) continue;
-        auto* q = reinterpret_cast<q4_block*>(dst);
+        auto* q = reinterpret_cast<std::uint8_t*>(dst);
         if (which == 0) {
           ref.quantize_keys(hrow.data(), D, s.tokens, D, q);
           ref.dequantize_keys(q, s.tokens, D, deq.data(), D);
         } else {
           ref.quantize_values(hrow.data(), D, s.tokens, D, q);
-          ref.dequantize_values(q, s.tokens, D, deq.data(), D);
-          (void)nb;
+          ref.dequantize_values(q, 0, s.tokens, D, deq.data(), D);
+          // Values of the group's unused tokens are unspecified (format.hpp): make them huge and
+          // finite, so a kernel that lets them into a result (or a maximum) fails the tests.
+          auto* sc = reinterpret_cast<half*>(q + kvcache::q4_value_scales_offset(D));
+          auto* mn = reinterpret_cast<half*>(q + kvcache::q4_value_mins_offset(D));
+          for (std::uint32_t t = s.tokens; t < kvcache::q4_group; ++t)
+            for (std::uint32_t g = 0; g < nb; ++g) {
+              sc[g * kvcache::q4_group + t] = kvcache::to_half(50000.0f);
+              mn[g * kvcache::q4_group + t] = kvcache::to_half(-50000.0f);
+            }
+          for (std::size_t i = 0; i < kvcache::q4_value_scales_offset(D); ++i)
+            if ((i % 512) / 64 * 4 + i % 4 >= s.tokens) q[i] = 0xff;  // codes of unused tokens: 15
         }
         for (std::uint32_t t = 0; t < s.tokens; ++t)
           for (std::uint32_t d = 0; d < D; ++d)
@@ -293,7 +302,7 @@ std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) 
       const format fs[] = {format::f32, format::f16, format::q4};
       for (std::uint32_t t = 0; t < n;) {
         const format kf = fs[rng() % 3], vf = fs[rng() % 3];
-        const std::uint32_t most = kf == format::q4 ? 32 : 300;
+        const std::uint32_t most = kf == format::q4 || vf == format::q4 ? 32 : 300;  // a Q4 chunk is one group
         const std::uint32_t len = std::min<std::uint32_t>(n - t, static_cast<std::uint32_t>(rng() % most) + 1);
         r.push_back({len, kf, vf, len + static_cast<std::uint32_t>(rng() % 3)});
         if (rng() % 4 == 0) r.push_back({0, kf, vf, 0});
@@ -619,8 +628,9 @@ void decode_view(const layer_view& v, std::uint32_t H, std::uint32_t D, std::vec
           if (f == format::q4 && t % 32 == 0) {
             const std::uint32_t n = std::min<std::uint32_t>(32, c.tokens - t);
             tmp.resize(static_cast<std::size_t>(n) * D);
-            if (which == 0) ref.dequantize_keys(reinterpret_cast<const q4_block*>(src), n, D, tmp.data(), D);
-            else ref.dequantize_values(reinterpret_cast<const q4_block*>(src) + static_cast<std::size_t>(t) * kvcache::q4_value_blocks(D), n, D, tmp.data(), D);
+            // A Q4 chunk is one group (attend validates it): t == 0 here.
+            if (which == 0) ref.dequantize_keys(reinterpret_cast<const std::uint8_t*>(src), n, D, tmp.data(), D);
+            else ref.dequantize_values(reinterpret_cast<const std::uint8_t*>(src), t, n, D, tmp.data(), D);
           }
           for (std::uint32_t d = 0; d < D; ++d) {
             double x = 0.0;
@@ -856,6 +866,10 @@ TEST(attend, bad_shapes_get_typed_errors) {
   cs[0].tokens = 33;
   const layer_view big_q4{cs.data(), 2, 41};
   expect_error(ok, std::span(&big_q4, 1), q, out, errc::bad_shape, "tokens=33");
+  cs[0].k_format = format::f16;  // Q4 values alone: one group as well
+  cs[0].k_head_stride = 33 * 32 * sizeof(half);
+  const layer_view big_q4_values{cs.data(), 2, 41};
+  expect_error(ok, std::span(&big_q4_values, 1), q, out, errc::bad_shape, "tokens=33");
   cs = b.chunks;
   cs[0].k_format = static_cast<format>(9);
   const layer_view bad_format{cs.data(), 2, 40};
