@@ -15,7 +15,7 @@ namespace kvcache {
 enum class format : std::uint8_t {
   f32,  ///< IEEE binary32, dense [token][head_dim] per head
   f16,  ///< IEEE binary16, dense [token][head_dim] per head
-  q4,   ///< 4-bit codes in q4_block groups of 32 (keys per channel, values per token)
+  q4,   ///< 4-bit codes in groups of 32 tokens (keys per channel, values per token): see below
 };
 
 /// "f32", "f16" or "q4".
