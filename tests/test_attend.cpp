@@ -143,14 +143,14 @@ inline built_view build(const kv_data& data, const std::vector<chunk_spec>& spec
         } else {
           ref.quantize_values(hrow.data(), D, s.tokens, D, q);
           ref.dequantize_values(q, 0, s.tokens, D, deq.data(), D);
-          // Values of the group's unused tokens are unspecified (format.hpp): make them huge and
-          // finite, so a kernel that lets them into a result (or a maximum) fails the tests.
+          // Values of the group's unused tokens are unspecified (format.hpp): NaN scales and
+          // infinite minimums, so a kernel that lets them into a result (or a maximum) fails.
           auto* sc = reinterpret_cast<half*>(q + kvcache::q4_value_scales_offset(D));
           auto* mn = reinterpret_cast<half*>(q + kvcache::q4_value_mins_offset(D));
           for (std::uint32_t t = s.tokens; t < kvcache::q4_group; ++t)
             for (std::uint32_t g = 0; g < nb; ++g) {
-              sc[g * kvcache::q4_group + t] = kvcache::to_half(50000.0f);
-              mn[g * kvcache::q4_group + t] = kvcache::to_half(-50000.0f);
+              sc[g * kvcache::q4_group + t] = half{static_cast<std::uint16_t>(t % 2 ? 0x7e00 : 0x7bff)};  // NaN, 65504
+              mn[g * kvcache::q4_group + t] = half{static_cast<std::uint16_t>(t % 2 ? 0xfc00 : 0x7c00)};  // -inf, +inf
             }
           for (std::size_t i = 0; i < kvcache::q4_value_scales_offset(D); ++i)
             if ((i % 512) / 64 * 4 + i % 4 >= s.tokens) q[i] = 0xff;  // codes of unused tokens: 15

@@ -579,7 +579,8 @@ TEST_P(Kernels, AccumulateQ4) {
                            static_cast<int>(t->q4)));
           const std::uint32_t nb = kvcache::q4_value_blocks(hd);
           // A full group; the tokens outside [first, first + tokens) get garbage scales and minimums
-          // (huge, but finite), which must not reach the sums.
+          // (NaN, infinities, huge values: a truncated token's may be anything), which must not
+          // reach the sums, not even multiplied by a zero weight.
           const std::vector<half> rows = make_rows(rng_, 32, hd, hd);
           group_buf vb = value_buf(hd);
           ref_->quantize_values(rows.data() + 1, hd, 32, hd, vb.data());
@@ -588,8 +589,9 @@ TEST_P(Kernels, AccumulateQ4) {
           for (std::uint32_t tt = 0; tt < 32; ++tt)
             if (tt < first || tt >= first + tokens)
               for (std::uint32_t g = 0; g < nb; ++g) {
-                scales[g * 32 + tt] = kvcache::to_half(60000.0f);
-                mins[g * 32 + tt] = kvcache::to_half(-60000.0f);
+                const std::uint16_t garbage[] = {0x7e00, 0x7c00, 0xfc00, 0x7bff};  // NaN, +inf, -inf, 65504
+                scales[g * 32 + tt] = half{garbage[(tt + g) % 4]};
+                mins[g * 32 + tt] = half{garbage[(tt + g + 1) % 4]};
               }
           const std::size_t ps = tokens + 1;
           std::vector<float> p(nq * ps + 1);
