@@ -21,32 +21,7 @@ namespace kvcache::kernels {
 [[nodiscard]] constexpr float load(float x) noexcept { return x; }
 [[nodiscard]] constexpr float load(half x) noexcept { return to_float(x); }
 
-namespace scalar {
-const table& get() noexcept;
-// The reference Q4 kernels (table entries of get()), for tables that have no kernel of their own.
-void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens, std::uint32_t head_dim,
-                   std::uint8_t* dst);
-void dequantize_keys(const std::uint8_t* src, std::uint32_t tokens, std::uint32_t head_dim, float* dst,
-                     std::size_t dst_stride);
-void quantize_values(const half* src, std::size_t src_stride, std::uint32_t tokens, std::uint32_t head_dim,
-                     std::uint8_t* dst);
-void dequantize_values(const std::uint8_t* src, std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim,
-                       float* dst, std::size_t dst_stride);
-void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride, prefetch_region pf);
-void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
-                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
-}  // namespace scalar
-
-// INTERIM (removed once every ISA file reads the new Q4 group layout): the old 20-byte block.
-struct q4_block {
-  half scale;
-  half min;
-  std::uint8_t codes[q4_group / 2];
-};
-[[nodiscard]] constexpr std::uint8_t q4_code(const q4_block& b, std::uint32_t i) noexcept {
-  return i < 16 ? static_cast<std::uint8_t>(b.codes[i] & 0x0f) : static_cast<std::uint8_t>(b.codes[i - 16] >> 4);
-}
+namespace scalar { const table& get() noexcept; }
 
 // The x86 tables: get() has the int8 Q4 key scores (kernels_avx2vnni.cpp on CPUs with AVX-VNNI,
 // kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI) where the CPU has them, float_q4()

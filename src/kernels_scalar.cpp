@@ -5,16 +5,15 @@
 #include <cmath>
 
 namespace kvcache::kernels::scalar {
+namespace {
 
-static void f32_to_f16(const float* src, half* dst, std::size_t n) {
+void f32_to_f16(const float* src, half* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = to_half(src[i]);
 }
 
-static void f16_to_f32(const half* src, float* dst, std::size_t n) {
+void f16_to_f32(const half* src, float* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
-
-namespace {
 
 // The FP16 scale and minimum of a Q4 group, and what quantizing with them needs.
 struct q4_fit {
@@ -53,8 +52,6 @@ std::uint8_t code_of(half x, const q4_fit& f) {
 }
 
 half* halves_at(std::uint8_t* group, std::size_t offset) { return reinterpret_cast<half*>(group + offset); }
-
-}  // namespace
 
 void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens, std::uint32_t head_dim,
                    std::uint8_t* dst) {
@@ -123,12 +120,12 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
     }
 }
 
-static void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
+void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
                 std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
 }
 
-static void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
+void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
                 std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
 }
@@ -160,12 +157,12 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
     }
 }
 
-static void accumulate_f16(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
+void accumulate_f16(const float* p, std::size_t p_stride, std::uint32_t nq, const half* v,
                     std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region) {
   accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
 }
 
-static void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
+void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
                     std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region) {
   accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc);
 }
@@ -187,6 +184,8 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
       }
     }
 }
+
+}  // namespace
 
 const table& get() noexcept {
   static const table t{isa::scalar,     f32_to_f16,      f16_to_f32,     quantize_keys,
