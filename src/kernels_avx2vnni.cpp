@@ -28,7 +28,6 @@ namespace kvcache::kernels::avx2vnni {
 namespace {
 
 #include "avx2_horizontal.inl"
-#include "row_prefetch.inl"
 #include "q4_int8.inl"
 
 // Lane masks for maskload/maskstore: tail_mask + 8 - n selects the first n of 8 lanes.
@@ -76,13 +75,14 @@ inline __m256i dword_of(const std::int8_t* p) {
 // queries' int8 values y[i] with the codes of `quads` channel quads from `codes`.
 template <unsigned P>
 __attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, unsigned quads, const std::int8_t (*y)[key_chunk],
-                                                     __m256i (*acc)[4], row_prefetch* pf) {
+                                                     __m256i (*acc)[4], line_prefetch& pf) {
+  line_prefetch f = pf;  // in registers
   const __m256i nib_lo = _mm256_set1_epi8(0x0F), nib_hi = _mm256_set1_epi8(static_cast<char>(0xF0));
   __m256i h[P][4];
   for (unsigned i = 0; i < P; ++i)
     for (unsigned r = 0; r < 4; ++r) h[i][r] = acc[i][r];
   for (unsigned j = 0; j < quads; ++j) {
-    if (pf != nullptr) pf->rows(1);
+    f.row();
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32));
     const __m256i c[4] = {_mm256_and_si256(x0, nib_lo), _mm256_and_si256(x1, nib_lo), _mm256_and_si256(x0, nib_hi),
@@ -94,11 +94,12 @@ __attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, 
   }
   for (unsigned i = 0; i < P; ++i)
     for (unsigned r = 0; r < 4; ++r) acc[i][r] = h[i][r];
+  pf = f;
 }
 
 template <unsigned NQ>
 void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf) {
+               line_prefetch& pf) {
   const std::uint8_t* ks = k + key_scales_at(hd);
   const std::uint8_t* km = k + key_mins_at(hd);
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
@@ -160,8 +161,9 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
     // there. The prefetch is spread over the first pass's quads.
     const std::uint8_t* codes = k + std::size_t{16} * c0;
     unsigned i = 0;
-    for (; i + 2 <= NQ; i += 2) dot_quads<2>(codes, quads, qy + i, acc + i, i == 0 ? pf : nullptr);
-    if (i < NQ) dot_quads<1>(codes, quads, qy + i, acc + i, i == 0 ? pf : nullptr);
+    line_prefetch none;
+    for (; i + 2 <= NQ; i += 2) dot_quads<2>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+    if (i < NQ) dot_quads<1>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
   }
 
   // Back to floats: score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, the

@@ -41,7 +41,6 @@
 namespace kvcache::kernels::avx512vnni {
 namespace {
 
-#include "row_prefetch.inl"
 #include "q4_int8.inl"
 
 struct byte_index {
@@ -90,15 +89,6 @@ inline std::int32_t dword_at(const void* p) {
   return x;
 }
 
-// dpbusd with the signed operand the dword at p broadcast, as the instruction's memory operand.
-inline void dpbusd_b(__m512i& acc, __m512i u, const void* p) {
-#if defined(__GNUC__) && !defined(__clang__)
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*static_cast<const std::int32_t*>(p)));
-#else
-  acc = _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(dword_at(p)));
-#endif
-}
-
 // Function objects (not functions: through a function pointer GCC 12 neither inlined reduce4 nor
 // the operation).
 struct max_op {
@@ -125,9 +115,11 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
+// sc[i][r]: the scores of query i, tokens 16 r .. 16 r + 15 (all 32 of the group's lanes).
 template <unsigned NQ>
-void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf) {
+__attribute__((always_inline)) inline void scores_of(const float* q, const std::uint8_t* k, unsigned hd,
+                                                     __m512 (&sc)[NQ][2], line_prefetch& pfr) {
+  line_prefetch pf = pfr;
   const std::uint8_t* ks = k + key_scales_at(hd);
   const std::uint8_t* km = k + key_mins_at(hd);
   // Pass 1: the folded query x_d = q_d s_d (kept up to cached_channels), the largest |x_d| of
@@ -168,7 +160,9 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) ysum[i] = _mm512_setzero_si512();
   alignas(64) std::int8_t ys[NQ][key_chunk];
+  alignas(64) float base[16];
   const __m512i order = _mm512_load_si512(low_bytes.b);
+  std::uint32_t blocks = 0;  // of 32 channels: each adds round_magic's bits twice to every lane of ysum
   const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
@@ -193,14 +187,23 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
         const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
         _mm256_store_si256(reinterpret_cast<__m256i*>(ys[i] + j),
                            _mm512_castsi512_si256(_mm512_permutex2var_epi8(y0, order, y1)));
+        // sum_d Y_d on the integer pipes: the bits of magic + Y are those of magic plus Y.
+        ysum[i] = _mm512_add_epi32(ysum[i], _mm512_add_epi32(y0, y1));
       }
+      ++blocks;
     }
-    // sum_d Y_d, 64 channels at a time (Y is 0 past nd up to the next multiple of 32).
-    const unsigned nd32 = (nd + 31) / 32 * 32;
-    for (unsigned j = 0; j < nd32; j += 64) {
-      const __mmask64 mk = nd32 - j >= 64 ? ~__mmask64(0) : __mmask64(0xFFFFFFFFu);
-#pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) dpbusd(ysum[i], _mm512_set1_epi8(1), _mm512_maskz_loadu_epi8(mk, ys[i] + j));
+    if (c0 + nd == hd) {
+      // The last chunk's Y are in: the scores' base, ahead of the dot products (which do not need
+      // it), score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
+      //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
+      // blocks * 2 * bits(round_magic), modulo 2^32 as the lanes' sums wrap (the sums of Y fit).
+      const __m512i magic_bits = _mm512_set1_epi32(static_cast<int>(blocks * 2u * 0x4B400000u));
+      __m512 b[4];
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < 4; ++i)  // sum_d Y_d exact in float: |sum| < 2^24
+        b[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ysum[i], magic_bits)),
+                                _mm512_set1_ps(8.0f * scale[4 * i]), mterm[i]);
+      _mm512_store_ps(base, reduce4(b, sum_of));
     }
     // The chunk's channel quads, each one 64-byte row: dword j = its four channels' codes of
     // token j (low nibbles) and j + 16 (high nibbles, left in place: codes times 16). The last
@@ -211,48 +214,53 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
     for (; j + 2 <= quads; j += 2) {
 #pragma GCC unroll 2
       for (unsigned u = 0; u < 2; ++u) {
-        if (pf != nullptr) pf->rows(1);
+        pf.row();
         const __m512i x = _mm512_loadu_si512(codes + 64 * (j + u));
         const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
         for (unsigned i = 0; i < NQ; ++i) {
-          dpbusd_b(acc[u][i][0], lo, ys[i] + 4 * (j + u));
-          dpbusd_b(acc[u][i][1], hi16, ys[i] + 4 * (j + u));
+          const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * (j + u)));
+          dpbusd(acc[u][i][0], lo, yb);
+          dpbusd(acc[u][i][1], hi16, yb);
         }
       }
     }
     if (j < quads) {
-      if (pf != nullptr) pf->rows(1);
+      pf.row();
       const __m512i x = _mm512_loadu_si512(codes + 64 * j);
       const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
-        dpbusd_b(acc[0][i][0], lo, ys[i] + 4 * j);
-        dpbusd_b(acc[0][i][1], hi16, ys[i] + 4 * j);
+        const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * j));
+        dpbusd(acc[0][i][0], lo, yb);
+        dpbusd(acc[0][i][1], hi16, yb);
       }
     }
   }
-  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
-  //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
-  alignas(64) float ms[16], ym[16];
-  {
-    __m512 yf[4];
-#pragma GCC unroll 4
-    for (unsigned i = 0; i < 4; ++i) yf[i] = _mm512_cvtepi32_ps(ysum[i]);  // exact: |sum| < 2^24
-    _mm512_store_ps(ms, reduce4(mterm, sum_of));
-    _mm512_store_ps(ym, reduce4(yf, sum_of));
-  }
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
-    const float sc = scale[4 * i];
-    const __m512 base = _mm512_set1_ps(ms[4 * i] - 8.0f * sc * ym[4 * i]);
+    const __m512 bs = _mm512_set1_ps(base[4 * i]);
     // Tokens 16..31 were summed with their codes times 16.
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r)
-      _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, lanes_mask(lanes(tokens, r)),
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][i][r], acc[1][i][r])),
-                                            _mm512_set1_ps(r == 0 ? sc : sc * 0.0625f), base));
+      sc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][i][r], acc[1][i][r])),
+                                 _mm512_set1_ps(r == 0 ? scale[4 * i] : scale[4 * i] * 0.0625f), bs);
   }
+  pfr = pf;
+}
+
+template <unsigned NQ>
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  __m512 sc[NQ][2];
+  scores_of<NQ>(q, k, hd, sc, pf);
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i)
+#pragma GCC unroll 2
+    for (unsigned r = 0; r < 2; ++r) {
+      if (tokens == 32) _mm512_storeu_ps(out + i * out_stride + 16 * r, sc[i][r]);
+      else _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, lanes_mask(lanes(tokens, r)), sc[i][r]);
+    }
 }
 
 // ---- values: lanes = 16 channels of a block column, dot products over token quads --------------
@@ -263,8 +271,8 @@ constexpr unsigned value_columns = 4;  // block columns per set-up (one reductio
 template <unsigned NQ>
 struct column_weights {
   alignas(64) std::uint8_t w[NQ][value_columns][32];  // u8 weights of the group's tokens: dword Q = tokens 4Q..4Q+3
-  alignas(64) float step[NQ][16];                      // lane 4 c: the grid step of the weights, over 16
-  alignas(64) float base[NQ][16];                      // lane 4 c: sum_t p_t (m_t + 8 s_t)
+  alignas(64) float step[16];                          // lane 4 i + c: the grid step of the weights, over 16
+  alignas(64) float base[16];                          // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
 };
 
 // acc[i][0..ch) of one column += its share of sum_t p_t v_t, over token quads [q0, q1) of the
@@ -276,13 +284,14 @@ template <unsigned NQ>
 __attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned q0, unsigned q1, const std::uint8_t* w,
                                             std::size_t w_stride, const float* step, const float* base,
                                             std::size_t sb_stride, unsigned ch, float* acc, std::size_t acc_stride,
-                                            row_prefetch* pf) {
+                                            line_prefetch& pfr) {
+  line_prefetch pf = pfr;
   const __m512i nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i a0[NQ], a1[NQ];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
   for (unsigned j = q0; j < q1; ++j) {
-    if (pf != nullptr) pf->rows(1);
+    pf.row();
     const __m512i x = _mm512_loadu_si512(codes + 64 * j);
     // (a & b) ^ c: imm 0x6A.
     const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
@@ -303,36 +312,40 @@ __attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned 
     _mm512_mask_storeu_ps(o + 16, m1,
                           _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), st, bs)));
   }
+  pfr = pf;
+}
+
+// Lane 4 j + e of the result: the sum of all 16 lanes of x[4 e + j] (a transposing tree: 45
+// instructions for the 16 sums).
+__attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
+  __m512 a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (unsigned k = 0; k < 8; ++k)
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 4
+  for (unsigned k = 0; k < 4; ++k)
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (unsigned k = 0; k < 2; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // acc[i][..] += sum_t p_t v_t over the tokens of one value group v whose lanes are set in tm (bit
-// t: token t), p_t of query i in lane t of plo[i] (tokens 0..15) and phi[i] (16..31), 0 outside
-// tm; pmax: lane 4 i, max_t p_t of query i. Token quads [q0, q1) cover tm. Per batch of columns:
-// the scales' maxima over the tokens in one tree, then per query and column the u8 weights
-// round(p' s') with p' = p * 255 / max p and s' = s / max_t s (every one <= 255), and the base
-// sum_t p_t (m_t + 8 s_t) (the queries' sums over each batch in one tree per query).
+// t: token t), with p_t = u_t us_i: u_t of query i in lane t of ulo[i] (tokens 0..15) and uhi[i]
+// (16..31), 0 outside tm and at most 1 (up to rounding: the largest is about 1); us: lanes
+// 4 i .. 4 i + 3, the factor of query i. Token quads [q0, q1) cover tm. Per batch of columns: the
+// scales' maxima over the tokens in one tree, then per query and column the u8 weights
+// round(u s 255 / max_t s) (every one <= 255: p s on a grid of step = us max_t s / 255), and the
+// bases us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
 template <unsigned NQ>
-__attribute__((always_inline)) inline void values_nq(const __m512 (&plo)[NQ], const __m512 (&phi)[NQ], __m512 pmax,
+__attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], const __m512 (&uhi)[NQ], __m512 us,
                                                      const std::uint8_t* v, __mmask32 tm, unsigned q0, unsigned q1,
-                                                     unsigned hd, float* acc, row_prefetch* pf) {
-  // Lane 4 i, per query: max_t p_t, the pre-scale `big` and the factor k, p' = p * big * k. Below
-  // 2^-100, p is scaled by 2^100 first (exact), since 255 / max p overflows below ~2^-120.
-  alignas(64) float pm[16], big[16], kf[16];
-  {
-    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
-                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
-    _mm512_store_ps(pm, _mm512_mul_ps(pmax, _mm512_set1_ps(1.0f / (255.0f * 16.0f))));  // step / max_t s, over 16
-    _mm512_store_ps(big, b);
-    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                            _mm512_set1_ps(255.0f), _mm512_mul_ps(pmax, b)));
-  }
-  __m512 pl[NQ], ph[NQ];
-#pragma GCC unroll 4
-  for (unsigned i = 0; i < NQ; ++i) {
-    const __m512 b = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
-    pl[i] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
-    ph[i] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
-  }
+                                                     unsigned hd, float* acc, line_prefetch& pf) {
   const unsigned nb = value_blocks(hd);
   const std::uint8_t* scales = v + value_scales_at(hd);
   const std::uint8_t* mins = v + value_mins_at(hd);
@@ -342,29 +355,34 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&plo)[NQ], co
     lo = _mm512_maskz_cvtph_ps(tm0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g)));
     hi = _mm512_maskz_cvtph_ps(tm1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
   };
+  // Lane 4 c: max_t s_t of column g0 + c (c < nc), 0 beyond.
+  auto scale_max = [&](unsigned g0, unsigned nc) __attribute__((always_inline)) {
+    __m512 sm[4];
+#pragma GCC unroll 4
+    for (unsigned c = 0; c < 4; ++c) {
+      sm[c] = _mm512_setzero_ps();
+      if (c < nc) {
+        __m512 lo, hi;
+        load(scales, g0 + c, lo, hi);
+        sm[c] = _mm512_max_ps(lo, hi);
+      }
+    }
+    return reduce4(sm, max_of);
+  };
+  const __m512 pm = _mm512_mul_ps(us, _mm512_set1_ps(1.0f / (255.0f * 16.0f)));  // step / max_t s, over 16
   const __m512i order = _mm512_load_si512(low_bytes.b);
+  const __m512i group_lane = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   const __m512 mg = _mm512_set1_ps(round_magic);
   column_weights<NQ> cw;
   for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
     const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
-    __m512 smax;
-    {
-      __m512 sm[4];
-#pragma GCC unroll 4
-      for (unsigned c = 0; c < 4; ++c) {
-        sm[c] = _mm512_setzero_ps();
-        if (c < nc) {
-          __m512 lo, hi;
-          load(scales, g0 + c, lo, hi);
-          sm[c] = _mm512_max_ps(lo, hi);
-        }
-      }
-      smax = reduce4(sm, max_of);  // lane 4 c: max_t s_t of column g0 + c
-    }
+    const __m512 smax = scale_max(g0, nc);
     alignas(64) float sinv[16];
     _mm512_store_ps(sinv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                              _mm512_set1_ps(1.0f), smax));
-    __m512 bsum[NQ][4];
+                                              _mm512_set1_ps(255.0f), smax));
+    __m512 bsum[16];
+#pragma GCC unroll 16
+    for (unsigned x = 0; x < 16; ++x) bsum[x] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (unsigned c = 0; c < 4; ++c) {
       if (c < nc) {
@@ -373,30 +391,25 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&plo)[NQ], co
         load(mins, g0 + c, ml, mh);
         const __m512 m8l = _mm512_fmadd_ps(sl, _mm512_set1_ps(8.0f), ml), m8h = _mm512_fmadd_ps(sh, _mm512_set1_ps(8.0f), mh);
         const __m512 si = _mm512_set1_ps(sinv[4 * c]);
-        sl = _mm512_mul_ps(sl, si);
+        sl = _mm512_mul_ps(sl, si);  // s 255 / max_t s
         sh = _mm512_mul_ps(sh, si);
 #pragma GCC unroll 4
         for (unsigned i = 0; i < NQ; ++i) {
-          const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(pl[i], sl, mg));
-          const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(ph[i], sh, mg));
+          const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(ulo[i], sl, mg));
+          const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(uhi[i], sh, mg));
           _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c]),
                              _mm512_castsi512_si256(_mm512_permutex2var_epi8(w0, order, w1)));
-          bsum[i][c] = _mm512_fmadd_ps(plo[i], m8l, _mm512_mul_ps(phi[i], m8h));
+          bsum[4 * c + i] = _mm512_fmadd_ps(ulo[i], m8l, _mm512_mul_ps(uhi[i], m8h));
         }
-      } else {
-#pragma GCC unroll 4
-        for (unsigned i = 0; i < NQ; ++i) bsum[i][c] = _mm512_setzero_ps();
       }
     }
-#pragma GCC unroll 4
-    for (unsigned i = 0; i < NQ; ++i) {
-      _mm512_store_ps(cw.base[i], reduce4(bsum[i], sum_of));
-      _mm512_store_ps(cw.step[i], _mm512_mul_ps(smax, _mm512_set1_ps(pm[4 * i])));
-    }
+    // Lane 4 i + c: the base and step of query i, column g0 + c.
+    _mm512_store_ps(cw.base, _mm512_mul_ps(sum16(bsum), us));
+    _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, smax)));
     for (unsigned c = 0; c < nc; ++c) {
       const unsigned g = g0 + c, ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
-      value_column<NQ>(v + std::size_t{512} * g, q0, q1, cw.w[0][c], sizeof cw.w[0], &cw.step[0][4 * c],
-                       &cw.base[0][4 * c], 16, ch, acc + 32 * g, hd, pf);
+      value_column<NQ>(v + std::size_t{512} * g, q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, ch,
+                       acc + 32 * g, hd, pf);
     }
   }
 }
@@ -414,7 +427,7 @@ __attribute__((always_inline)) inline __m512 max_weights(const __m512 (&plo)[NQ]
 // to their tokens' lanes.
 template <unsigned NQ>
 void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, unsigned first, unsigned n, unsigned hd,
-                   float* acc, row_prefetch* pf) {
+                   float* acc, line_prefetch& pf) {
   const unsigned end = first + n;
   const __mmask32 tm = static_cast<__mmask32>((end >= 32 ? ~0u : (1u << end) - 1u) & ~((1u << first) - 1u));
   const __m512i idx = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -429,7 +442,24 @@ void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, 
     plo[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm), a, idx, b);
     phi[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm >> 16), a, idx16, b);
   }
-  values_nq<NQ>(plo, phi, max_weights<NQ>(plo, phi), v, tm, first / 4, (end + 3) / 4, hd, acc, pf);
+  // u = p / max_t p. Below 2^-100, p is scaled by 2^100 first (exact), since 1 / max p overflows
+  // below ~2^-126.
+  const __m512 pmax = max_weights<NQ>(plo, phi);
+  alignas(64) float big[16], kf[16];
+  {
+    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
+                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
+    _mm512_store_ps(big, b);
+    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(1.0f), _mm512_mul_ps(pmax, b)));
+  }
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    const __m512 b = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
+    plo[i] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
+    phi[i] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
+  }
+  values_nq<NQ>(plo, phi, pmax, v, tm, first / 4, (end + 3) / 4, hd, acc, pf);
 }
 
 // ---- the online-softmax step over one group: scores, weights and values of four queries -------
@@ -445,41 +475,56 @@ using S = avx512_float_ops;
 // from registers. Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
 template <unsigned NQ>
 void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, unsigned tokens, unsigned hd,
-               float* run_max, float* run_sum, float* acc, row_prefetch* pf) {
-  alignas(64) float w[NQ][32];
-  if (hd <= int8_key_channels) scores_nq<NQ>(q, k, tokens, hd, &w[0][0], 32, pf);
-  else avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], 32, {});  // see scores_q4
+               float* run_max, float* run_sum, float* acc, line_prefetch& pf) {
+  __m512 s[NQ][2], mx[4];
+  if (hd <= int8_key_channels) {
+    scores_of<NQ>(q, k, hd, s, pf);
+  } else {  // see scores_q4
+    alignas(64) float w[NQ][32];
+    avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], 32, {});
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < NQ; ++i) {
+      s[i][0] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 0)), w[i]);  // lanes past tokens: masked below
+      s[i][1] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 1)), w[i] + 16);
+    }
+  }
   const __mmask16 m0 = lanes_mask(lanes(tokens, 0)), m1 = lanes_mask(lanes(tokens, 1));
   const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
-  __m512 s[NQ][2], mx[4];
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
     if (i < NQ) {
-      s[i][0] = _mm512_mask_load_ps(ninf, m0, w[i]);
-      s[i][1] = _mm512_mask_load_ps(ninf, m1, w[i] + 16);
+      s[i][0] = _mm512_mask_mov_ps(ninf, m0, s[i][0]);
+      s[i][1] = _mm512_mask_mov_ps(ninf, m1, s[i][1]);
       mx[i] = _mm512_max_ps(s[i][0], s[i][1]);
     } else {
       mx[i] = ninf;
     }
   }
   alignas(64) float tile_max[16];
-  _mm512_store_ps(tile_max, reduce4(mx, max_of));
+  const __m512 tmax = reduce4(mx, max_of);
+  _mm512_store_ps(tile_max, tmax);
+  // The weights w_t = 2^(s_t - m_new) as u_t us: u_t = 2^(s_t - tile max) (the top token's 1),
+  // us = 2^(tile max - m_new) (lanes 4 i ..).
+  const __m512 m_new_v = _mm512_max_ps(
+      tmax, _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
+                                  _mm512_maskz_loadu_ps(lanes_mask(NQ), run_max)));
+  const __m512 us = exp2_nonpositive(_mm512_sub_ps(tmax, m_new_v));
   float m_new[NQ];
-  __m512 plo[NQ], phi[NQ], sum[4];
+  __m512 ulo[NQ], uhi[NQ], sum[4];
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
     if (i < NQ) {
       m_new[i] = tile_max[4 * i] > run_max[i] ? tile_max[4 * i] : run_max[i];
-      const __m512 m = _mm512_set1_ps(m_new[i]);
-      plo[i] = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
-      phi[i] = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
-      sum[i] = _mm512_add_ps(plo[i], phi[i]);
+      const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), tmax);
+      ulo[i] = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
+      uhi[i] = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
+      sum[i] = _mm512_add_ps(ulo[i], uhi[i]);
     } else {
       sum[i] = _mm512_setzero_ps();
     }
   }
   alignas(64) float total[16];
-  _mm512_store_ps(total, reduce4(sum, sum_of));
+  _mm512_store_ps(total, _mm512_mul_ps(reduce4(sum, sum_of), us));
 #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) {
     if (m_new[i] != run_max[i]) {
@@ -499,7 +544,7 @@ void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, uns
     run_sum[i] += total[4 * i];
   }
   const auto tm = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
-  values_nq<NQ>(plo, phi, max_weights<NQ>(plo, phi), v, tm, 0, (tokens + 3) / 4, hd, acc, pf);
+  values_nq<NQ>(ulo, uhi, us, v, tm, 0, (tokens + 3) / 4, hd, acc, pf);
 }
 
 }  // namespace
@@ -517,11 +562,11 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
   if (tokens == 0) return;
   const std::uint32_t q0 = first / 4, q1 = (first + tokens + 3) / 4;
-  row_prefetch rp(pf, value_blocks(head_dim) * (q1 - q0));  // per token quad of a column, in the first queries' pass
+  line_prefetch rp(pf, value_blocks(head_dim) * (q1 - q0)), none;  // per token quad of a column, in the first queries' pass
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* pi = p + i0 * p_stride;
     float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
       case 1: accumulate_nq<1>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
       case 2: accumulate_nq<2>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
@@ -536,11 +581,11 @@ void attend_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, const st
   if (tokens == 0) return;
   // Spread over the channel quads of the first queries' scores and the token quads of their value
   // columns: all of it in the scores alone (three lines a quad) stalled them.
-  row_prefetch rp(pf, key_channels(head_dim) / 4 + value_blocks(head_dim) * ((tokens + 3) / 4));
+  line_prefetch rp(pf, key_channels(head_dim) / 4 + value_blocks(head_dim) * ((tokens + 3) / 4)), none;
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
     float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
       case 1: attend_nq<1>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
       case 2: attend_nq<2>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;

@@ -31,6 +31,31 @@ static_assert(key_scales_at(100) == q4_key_scales_offset(100) && key_mins_at(99)
 static_assert(q4_key_code_byte(6, 17) == 64 * 1 + 4 * 1 + 2 && q4_value_code_byte(6, 37) == 512 + 64 * 1 + 4 * 5 + 2,
               "the int8 kernels read channel quads of keys and token quads of values as 64-byte rows");
 
+// The lines of a kernels::prefetch_region spread over a kernel's rows of work (as
+// row_prefetch.inl does for the dense kernels): `rows` rows in all, ceil(lines / rows) lines at
+// each of them. A value: the loops take a copy that stays in registers and hand back what is left.
+struct line_prefetch {
+  std::uintptr_t at = 0, end = 0;  // the next line; the region's end
+  std::uintptr_t step = 0;         // bytes of lines per row, times 256 (0: none)
+  std::uintptr_t due = 0;          // lines before this, times 256, are issued (or due)
+
+  line_prefetch() = default;
+  line_prefetch(prefetch_region r, unsigned rows) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(r.p);
+    at = begin & ~std::uintptr_t{63};  // the line of the first byte
+    end = begin + r.bytes;
+    due = at << 8;
+    const std::size_t lines = (end - at + 63) / 64;
+    step = r.bytes == 0 ? 0 : lines * 64 * 256 / (rows == 0 ? 1 : rows) + 1;
+  }
+  // The lines of one row.
+  void row() {
+    due += step;
+    const std::uintptr_t e = (due >> 8) < end ? (due >> 8) : end;
+    for (; at < e; at += 64) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  }
+};
+
 struct query_split {
   float scale;  // of the int8 values
   float inv;    // 1 / scale, 0 when the query folds to all zeros
@@ -44,18 +69,18 @@ inline query_split split_of(float max_abs, float min_term) {
 // Scores of NQ (1..4) queries over one key group: defined by the including file.
 template <unsigned NQ>
 void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf);
+               line_prefetch& pf);
 
 // The table entry (kernels::table::scores_q4) for head_dim <= int8_key_channels: the queries four
 // at a time. pf is spread over the channel quads of the first four queries.
 inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                               std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
   if (tokens == 0) return;
-  row_prefetch rp(pf, key_channels(head_dim) / 4);
+  line_prefetch rp(pf, key_channels(head_dim) / 4), none;
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
     float* o = out + i0 * out_stride;
-    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
       case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride, f); break;
       case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride, f); break;
