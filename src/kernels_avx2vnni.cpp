@@ -79,20 +79,26 @@ __attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, 
   line_prefetch f = pf;  // in registers
   const __m256i nib_lo = _mm256_set1_epi8(0x0F), nib_hi = _mm256_set1_epi8(static_cast<char>(0xF0));
   __m256i h[P][4];
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < P; ++i)
+    #pragma GCC unroll 4
     for (unsigned r = 0; r < 4; ++r) h[i][r] = acc[i][r];
   for (unsigned j = 0; j < quads; ++j) {
-    f.row();
+    f.rows(1);
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32));
     const __m256i c[4] = {_mm256_and_si256(x0, nib_lo), _mm256_and_si256(x1, nib_lo), _mm256_and_si256(x0, nib_hi),
                           _mm256_and_si256(x1, nib_hi)};
+    #pragma GCC unroll 2
     for (unsigned i = 0; i < P; ++i) {
       const __m256i w = dword_of(y[i] + 4 * j);
+      #pragma GCC unroll 4
       for (unsigned r = 0; r < 4; ++r) dpbusd(h[i][r], c[r], w);
     }
   }
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < P; ++i)
+    #pragma GCC unroll 4
     for (unsigned r = 0; r < 4; ++r) acc[i][r] = h[i][r];
   pf = f;
 }
@@ -104,6 +110,7 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
   const std::uint8_t* km = k + key_mins_at(hd);
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
   __m256 qmax[NQ], mterm[NQ];
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = _mm256_setzero_ps();
   alignas(32) float scales[cached_channels];
   const bool cached = hd <= cached_channels;
@@ -112,6 +119,7 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
     const unsigned n = hd - c < 8 ? hd - c : 8;
     const __m256 s = halves(ks + 2 * c, n), m = halves(km + 2 * c, n);
     if (cached) _mm256_store_ps(scales + c, s);
+    #pragma GCC unroll 4
     for (unsigned i = 0; i < NQ; ++i) {
       const __m256 qv = load_n(q + i * hd + c, n);
       qmax[i] = _mm256_max_ps(qmax[i], _mm256_andnot_ps(sign, _mm256_mul_ps(qv, s)));
@@ -127,7 +135,9 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
   __m256i acc[NQ][4];
   __m256 ysum[NQ];
   __m256i yisum[NQ];
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) {
+    #pragma GCC unroll 4
     for (unsigned r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_si256();
     ysum[i] = _mm256_setzero_ps();
     yisum[i] = _mm256_setzero_si256();
@@ -138,6 +148,7 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
     const unsigned quads = (nd + 3) / 4;
     for (unsigned j = 0; j < 4 * quads; j += 32) {  // channels past nd get Y = 0
       __m256 s[4];
+      #pragma GCC unroll 4
       for (unsigned r = 0; r < 4; ++r) {
         const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
         s[r] = _mm256_setzero_ps();
@@ -145,8 +156,10 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
         if (cached) s[r] = load_n(scales + c0 + at, n);
         else s[r] = halves(ks + 2 * (c0 + at), n);
       }
+      #pragma GCC unroll 4
       for (unsigned i = 0; i < NQ; ++i) {
         __m256i y[4];
+        #pragma GCC unroll 4
         for (unsigned r = 0; r < 4; ++r) {
           const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
           const __m256 yf = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));

@@ -18,7 +18,9 @@
 // g, the weights w_t = p_t * scale_t become u8 on a grid of step = max_t p_t * max_t scale_t / 255
 // (over the group's tokens in range), and vpdpbusd sums them with the codes over token quads. The
 // codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
-// is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float.
+// is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. (The layout
+// has no power-of-two condition on the block count any more: one column's set-up is the same at
+// any head_dim, and at head_dim <= 32 the int8 step is faster than the float one too.)
 //
 // The group layout (format.hpp) is made for these loops: a key channel quad is one 64-byte row
 // whose dword j holds the four channels' codes of tokens j (low nibbles) and j + 16 (high), so
@@ -26,6 +28,13 @@
 // quad of a column is one 64-byte row whose dword j holds channel byte j of the four tokens,
 // against the four tokens' u8 weights broadcast as a dword. Scales and minimums are contiguous
 // halves: over channels for keys, over the group's tokens per column for values.
+//
+// Measured on Zen 5 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
+// float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
+// cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
+// horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the
+// weights as u * us without a pass over p, the scores handed over in registers, and the prefetch
+// bookkeeping kept to one check per two or four rows (it was a fifth of the instructions).
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -212,9 +221,9 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
     const unsigned quads = (nd + 3) / 4;
     unsigned j = 0;
     for (; j + 2 <= quads; j += 2) {
+      if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
 #pragma GCC unroll 2
       for (unsigned u = 0; u < 2; ++u) {
-        pf.row();
         const __m512i x = _mm512_loadu_si512(codes + 64 * (j + u));
         const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
@@ -226,7 +235,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
       }
     }
     if (j < quads) {
-      pf.row();
+      pf.rows(1);
       const __m512i x = _mm512_loadu_si512(codes + 64 * j);
       const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
@@ -290,8 +299,7 @@ __attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned 
   __m512i a0[NQ], a1[NQ];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
-  for (unsigned j = q0; j < q1; ++j) {
-    pf.row();
+  auto quad = [&](unsigned j) __attribute__((always_inline)) {
     const __m512i x = _mm512_loadu_si512(codes + 64 * j);
     // (a & b) ^ c: imm 0x6A.
     const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
@@ -302,7 +310,17 @@ __attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned 
       dpbusd(a0[i], wi, lo);
       dpbusd(a1[i], wi, hi);
     }
+  };
+  unsigned j = q0;
+  for (; j + 4 <= q1; j += 4) {
+    pf.rows(4);
+    quad(j);
+    quad(j + 1);
+    quad(j + 2);
+    quad(j + 3);
   }
+  if (j < q1) pf.rows(q1 - j);
+  for (; j < q1; ++j) quad(j);
   const __mmask16 m0 = lanes_mask(lanes(ch, 0)), m1 = lanes_mask(lanes(ch, 1));
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
@@ -470,7 +488,7 @@ using S = avx512_float_ops;
 // 2^x for x <= 0, as attend()'s softmax step computes it.
 #include "exp2_simd.inl"
 
-// table::attend_q4 for NQ (1..4) queries: the scores into a local tile, the softmax step with the
+// table::attend_q4 for NQ (1..4) queries: the scores in registers, the softmax step with the
 // queries' maxima and sums each reduced in one tree, and the values with the weights straight
 // from registers. Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
 template <unsigned NQ>

@@ -31,28 +31,30 @@ static_assert(key_scales_at(100) == q4_key_scales_offset(100) && key_mins_at(99)
 static_assert(q4_key_code_byte(6, 17) == 64 * 1 + 4 * 1 + 2 && q4_value_code_byte(6, 37) == 512 + 64 * 1 + 4 * 5 + 2,
               "the int8 kernels read channel quads of keys and token quads of values as 64-byte rows");
 
-// The lines of a kernels::prefetch_region spread over a kernel's rows of work (as
-// row_prefetch.inl does for the dense kernels): `rows` rows in all, ceil(lines / rows) lines at
-// each of them. A value: the loops take a copy that stays in registers and hand back what is left.
+// The lines of a kernels::prefetch_region spread evenly over a kernel's rows of work (as
+// row_prefetch.inl does for the dense kernels): `rows` rows in all, lines / rows of them per row
+// (in fractions of a line, so that they run out with the last row). A value: the loops take a
+// copy that stays in registers and hand back what is left.
 struct line_prefetch {
   std::uintptr_t at = 0, end = 0;  // the next line; the region's end
+  std::uintptr_t first = 0;        // the region's first line
   std::uintptr_t step = 0;         // bytes of lines per row, times 256 (0: none)
-  std::uintptr_t due = 0;          // lines before this, times 256, are issued (or due)
+  std::uintptr_t due = 0;          // bytes from `first` due so far, times 256
 
   line_prefetch() = default;
   line_prefetch(prefetch_region r, unsigned rows) {
     const auto begin = reinterpret_cast<std::uintptr_t>(r.p);
-    at = begin & ~std::uintptr_t{63};  // the line of the first byte
+    at = first = begin & ~std::uintptr_t{63};  // the line of the first byte
     end = begin + r.bytes;
-    due = at << 8;
     const std::size_t lines = (end - at + 63) / 64;
     step = r.bytes == 0 ? 0 : lines * 64 * 256 / (rows == 0 ? 1 : rows) + 1;
   }
-  // The lines of one row.
-  void row() {
-    due += step;
-    const std::uintptr_t e = (due >> 8) < end ? (due >> 8) : end;
-    for (; at < e; at += 64) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  // The lines of n rows.
+  void rows(unsigned n) {
+    due += step * n;
+    const std::uintptr_t d = first + (due >> 8);
+    for (const std::uintptr_t e = d < end ? d : end; at < e; at += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
   }
 };
 
