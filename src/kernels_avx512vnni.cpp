@@ -33,8 +33,9 @@
 // float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
 // cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
 // horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the
-// weights as u * us without a pass over p, the scores handed over in registers, and the prefetch
-// bookkeeping kept to one check per two or four rows (it was a fifth of the instructions).
+// weights as u * us without a pass over p, the scores handed over in registers, the value
+// columns' scales prepared while the keys wait for their maxima, and the prefetch bookkeeping
+// kept to one check per two or four rows (it was a fifth of the instructions).
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -125,9 +126,14 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
 // sc[i][r]: the scores of query i, tokens 16 r .. 16 r + 15 (all 32 of the group's lanes).
-template <unsigned NQ>
+// `between` runs after the first pass, where the horizontal maximum and the division that follow
+// leave the vector pipes idle: the caller's work that does not depend on the scores.
+struct nothing {
+  void operator()() const {}
+};
+template <unsigned NQ, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const std::uint8_t* k, unsigned hd,
-                                                     __m512 (&sc)[NQ][2], line_prefetch& pfr) {
+                                                     __m512 (&sc)[NQ][2], line_prefetch& pfr, Between between = {}) {
   line_prefetch pf = pfr;
   const std::uint8_t* ks = k + key_scales_at(hd);
   const std::uint8_t* km = k + key_mins_at(hd);
@@ -151,6 +157,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
       mterm[i] = _mm512_fmadd_ps(qv, m8, mterm[i]);
     }
   }
+  between();
   // Lane 4 i: the scale of query i, max|x| / 127, and its inverse (0 where the folded query is all
   // zeros).
   alignas(64) float scale[16], inv[16];
@@ -353,6 +360,55 @@ __attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
                        _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// What a batch of columns' set-up takes from the scales and minimums alone (no weights): per
+// column c, the scales times 255 / max_t s and m + 8 s over the tokens in tm (0 elsewhere,
+// whatever is stored there), and max_t s (lane 4 c).
+struct column_scales {
+  alignas(64) float s[value_columns][32];
+  alignas(64) float m8[value_columns][32];
+  __m512 smax;
+};
+
+// Column g's scales (or minimums) of the tokens in tm, 0 elsewhere (whatever is stored there).
+__attribute__((always_inline)) inline void column_halves(const std::uint8_t* h, unsigned g, __mmask32 tm, __m512& lo,
+                                                         __m512& hi) {
+  lo = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g)));
+  hi = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm >> 16),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
+}
+
+// The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of value group v.
+__attribute__((always_inline)) inline void prepare_columns(const std::uint8_t* v, unsigned hd, __mmask32 tm, unsigned g0,
+                                                           unsigned nc, column_scales& cs) {
+  const std::uint8_t* scales = v + value_scales_at(hd);
+  const std::uint8_t* mins = v + value_mins_at(hd);
+  __m512 sl[4], sh[4], sm[4];
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    sm[c] = _mm512_setzero_ps();
+    if (c < nc) {
+      column_halves(scales, g0 + c, tm, sl[c], sh[c]);
+      sm[c] = _mm512_max_ps(sl[c], sh[c]);
+    }
+  }
+  cs.smax = reduce4(sm, max_of);
+  alignas(64) float sinv[16];
+  _mm512_store_ps(sinv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(cs.smax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(255.0f), cs.smax));
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    if (c < nc) {
+      __m512 ml, mh;
+      column_halves(mins, g0 + c, tm, ml, mh);
+      _mm512_store_ps(cs.m8[c], _mm512_fmadd_ps(sl[c], _mm512_set1_ps(8.0f), ml));
+      _mm512_store_ps(cs.m8[c] + 16, _mm512_fmadd_ps(sh[c], _mm512_set1_ps(8.0f), mh));
+      const __m512 si = _mm512_set1_ps(sinv[4 * c]);
+      _mm512_store_ps(cs.s[c], _mm512_mul_ps(sl[c], si));  // s 255 / max_t s
+      _mm512_store_ps(cs.s[c] + 16, _mm512_mul_ps(sh[c], si));
+    }
+  }
+}
+
 // acc[i][..] += sum_t p_t v_t over the tokens of one value group v whose lanes are set in tm (bit
 // t: token t), with p_t = u_t us_i: u_t of query i in lane t of ulo[i] (tokens 0..15) and uhi[i]
 // (16..31), 0 outside tm and at most 1 (up to rounding: the largest is about 1); us: lanes
@@ -363,54 +419,27 @@ __attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
 template <unsigned NQ>
 __attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], const __m512 (&uhi)[NQ], __m512 us,
                                                      const std::uint8_t* v, __mmask32 tm, unsigned q0, unsigned q1,
-                                                     unsigned hd, float* acc, line_prefetch& pf) {
+                                                     unsigned hd, float* acc, line_prefetch& pf,
+                                                     const column_scales* first = nullptr) {
   const unsigned nb = value_blocks(hd);
-  const std::uint8_t* scales = v + value_scales_at(hd);
-  const std::uint8_t* mins = v + value_mins_at(hd);
-  const auto tm0 = static_cast<__mmask16>(tm), tm1 = static_cast<__mmask16>(tm >> 16);
-  // Column g's scales (or minimums) of the tokens in tm, 0 elsewhere (whatever is stored there).
-  auto load = [&](const std::uint8_t* h, unsigned g, __m512& lo, __m512& hi) __attribute__((always_inline)) {
-    lo = _mm512_maskz_cvtph_ps(tm0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g)));
-    hi = _mm512_maskz_cvtph_ps(tm1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
-  };
-  // Lane 4 c: max_t s_t of column g0 + c (c < nc), 0 beyond.
-  auto scale_max = [&](unsigned g0, unsigned nc) __attribute__((always_inline)) {
-    __m512 sm[4];
-#pragma GCC unroll 4
-    for (unsigned c = 0; c < 4; ++c) {
-      sm[c] = _mm512_setzero_ps();
-      if (c < nc) {
-        __m512 lo, hi;
-        load(scales, g0 + c, lo, hi);
-        sm[c] = _mm512_max_ps(lo, hi);
-      }
-    }
-    return reduce4(sm, max_of);
-  };
   const __m512 pm = _mm512_mul_ps(us, _mm512_set1_ps(1.0f / (255.0f * 16.0f)));  // step / max_t s, over 16
   const __m512i order = _mm512_load_si512(low_bytes.b);
   const __m512i group_lane = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   const __m512 mg = _mm512_set1_ps(round_magic);
   column_weights<NQ> cw;
+  column_scales own;
   for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
     const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
-    const __m512 smax = scale_max(g0, nc);
-    alignas(64) float sinv[16];
-    _mm512_store_ps(sinv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                              _mm512_set1_ps(255.0f), smax));
+    const column_scales* cs = g0 == 0 && first != nullptr ? first : &own;
+    if (cs == &own) prepare_columns(v, hd, tm, g0, nc, own);
     __m512 bsum[16];
 #pragma GCC unroll 16
     for (unsigned x = 0; x < 16; ++x) bsum[x] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (unsigned c = 0; c < 4; ++c) {
       if (c < nc) {
-        __m512 sl, sh, ml, mh;
-        load(scales, g0 + c, sl, sh);
-        load(mins, g0 + c, ml, mh);
-        const __m512 m8l = _mm512_fmadd_ps(sl, _mm512_set1_ps(8.0f), ml), m8h = _mm512_fmadd_ps(sh, _mm512_set1_ps(8.0f), mh);
-        const __m512 si = _mm512_set1_ps(sinv[4 * c]);
-        sl = _mm512_mul_ps(sl, si);  // s 255 / max_t s
-        sh = _mm512_mul_ps(sh, si);
+        const __m512 sl = _mm512_load_ps(cs->s[c]), sh = _mm512_load_ps(cs->s[c] + 16);
+        const __m512 m8l = _mm512_load_ps(cs->m8[c]), m8h = _mm512_load_ps(cs->m8[c] + 16);
 #pragma GCC unroll 4
         for (unsigned i = 0; i < NQ; ++i) {
           const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(ulo[i], sl, mg));
@@ -423,7 +452,7 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], co
     }
     // Lane 4 i + c: the base and step of query i, column g0 + c.
     _mm512_store_ps(cw.base, _mm512_mul_ps(sum16(bsum), us));
-    _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, smax)));
+    _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
     for (unsigned c = 0; c < nc; ++c) {
       const unsigned g = g0 + c, ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
       value_column<NQ>(v + std::size_t{512} * g, q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, ch,
@@ -495,9 +524,14 @@ template <unsigned NQ>
 void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, unsigned tokens, unsigned hd,
                float* run_max, float* run_sum, float* acc, line_prefetch& pf) {
   __m512 s[NQ][2], mx[4];
+  const auto tm = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
+  const unsigned nb = value_blocks(hd);
+  column_scales first;  // the first batch of value columns, prepared while the keys wait
+  auto prepare = [&] { prepare_columns(v, hd, tm, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ>(q, k, hd, s, pf);
+    scores_of<NQ>(q, k, hd, s, pf, prepare);
   } else {  // see scores_q4
+    prepare();
     alignas(64) float w[NQ][32];
     avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], 32, {});
 #pragma GCC unroll 4
@@ -561,8 +595,7 @@ void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, uns
     }
     run_sum[i] += total[4 * i];
   }
-  const auto tm = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
-  values_nq<NQ>(ulo, uhi, us, v, tm, 0, (tokens + 3) / 4, hd, acc, pf);
+  values_nq<NQ>(ulo, uhi, us, v, tm, 0, (tokens + 3) / 4, hd, acc, pf, &first);
 }
 
 }  // namespace
