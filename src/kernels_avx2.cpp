@@ -159,8 +159,8 @@ const table& float_q4() noexcept { return simd_table; }
 const table& get() noexcept {
   static const table t = [] {
     table x = simd_table;
-    if (false && has_avx_vnni()) {
-      // INTERIM x.scores_q4 = avx2vnni::scores_q4;
+    if (has_avx_vnni()) {
+      x.scores_q4 = avx2vnni::scores_q4;
       x.q4 = q4_arith::int8;
     }
     return x;

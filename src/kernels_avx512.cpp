@@ -138,10 +138,10 @@ const table& get() noexcept {
   static const table t = [] {
     table x = simd_table;
     __builtin_cpu_init();
-    if (false && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) {
-      // INTERIM x.scores_q4 = avx512vnni::scores_q4;
-      // INTERIM x.accumulate_q4 = avx512vnni::accumulate_q4;
-      // INTERIM x.attend_q4 = avx512vnni::attend_q4;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) {
+      x.scores_q4 = avx512vnni::scores_q4;
+      x.accumulate_q4 = avx512vnni::accumulate_q4;
+      x.attend_q4 = avx512vnni::attend_q4;
       x.q4_values = q4_arith::int8;
       x.q4 = q4_arith::int8;
     }

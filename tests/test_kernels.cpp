@@ -607,8 +607,8 @@ TEST_P(Kernels, AccumulateQ4) {
           ASSERT_EQ(0, std::memcmp(acc.data(), acc_pf.data(), acc.size() * sizeof(float))) << "prefetch changed the sums";
           ASSERT_EQ(acc[0], acc0[0]);
           ASSERT_EQ(acc.back(), acc0.back());
-          // int8 values where the table has them at this head_dim (kernels.hpp, q4_arith::int8).
-          const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+          // int8 values where the table has them (every head_dim: kernels.hpp, q4_arith::int8).
+          const bool int8 = t->q4_values == kernels::q4_arith::int8;
           for (std::uint32_t i = 0; i < nq; ++i)
             for (std::uint32_t d = 0; d < hd; ++d) {
               double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
@@ -651,7 +651,6 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
           for (int state = 0; state < 3; ++state) {  // first group; max grows; max stays
             if (hd > 4096 && (nq != 2 || tokens != 32 || state != 1)) continue;
             SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " state=", state));
-            const std::uint32_t nb = kvcache::q4_value_blocks(hd);
             const std::vector<half> krows = make_rows(rng_, tokens, hd, hd), vrows = make_rows(rng_, 32, hd, hd);
             group_buf kb = key_buf(hd), vb = value_buf(hd);
             ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kb.data());
@@ -675,7 +674,7 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
             ASSERT_EQ(run_max.back(), max0.back());
             ASSERT_EQ(acc[0], acc0[0]);
             ASSERT_EQ(acc.back(), acc0.back());
-            const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+            const bool int8 = t->q4_values == kernels::q4_arith::int8;
             for (std::uint32_t i = 0; i < nq; ++i) {
               const float* si = s.data() + i * 32;
               const float top = *std::max_element(si, si + tokens);

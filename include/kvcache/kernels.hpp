@@ -22,12 +22,11 @@ enum class q4_arith : std::uint8_t {
   /// rounding error's share common to the group's tokens (8 scale sum_d e_d) added back: at most
   /// max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code c_d (plus float
   /// rounding). That is well below the Q4 keys' own error (see kernels_avx512vnni.cpp).
-  /// AVX-512 with VNNI and VBMI (head_dim up to 16384; float beyond); AVX2 with AVX-VNNI.
-  /// Values (AVX-512 with VNNI and VBMI, where a token has 2, 4 or 8 value blocks: head_dim
-  /// 33..64, 97..128 or 225..256; float otherwise): per tile of 32 tokens, query
-  /// and block column g, the weights w_t = p_t * scale_t are rounded to u8 on a grid of
-  /// step = max_t p_t * max_t scale_t / 255 and multiply the centred codes c - 8: at most
-  /// step / 2 * |c_t - 8| of error per token and channel.
+  /// AVX-512 with VNNI and VBMI, and AVX2 with AVX-VNNI (head_dim up to 16384; float beyond).
+  /// Values (AVX-512 with VNNI and VBMI, every head_dim): per group, query and block column g,
+  /// the weights w_t = p_t * scale_t of the tokens summed are rounded to u8 on a grid of
+  /// step = max_t p_t * max_t scale_t / 255 (both maxima over those tokens) and multiply the
+  /// centred codes c - 8: at most step / 2 * |c_t - 8| of error per token and channel.
   int8,
 };
 
