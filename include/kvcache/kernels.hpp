@@ -26,7 +26,8 @@ enum class q4_arith : std::uint8_t {
   /// Values (AVX-512 with VNNI and VBMI, every head_dim): per group, query and block column g,
   /// the weights w_t = p_t * scale_t of the tokens summed are rounded to u8 on a grid of
   /// step = max_t p_t * max_t scale_t / 255 (both maxima over those tokens) and multiply the
-  /// centred codes c - 8: at most step / 2 * |c_t - 8| of error per token and channel.
+  /// centred codes c - 8: at most step / 2 * |c_t - 8| of error per token and channel. The
+  /// weights must be >= 0 (as softmax weights are): the int8 value sums do not take negative ones.
   int8,
 };
 
