@@ -30,7 +30,7 @@ std::size_t view_bytes(const layer_view& v) {
     for (int which = 0; which < 2; ++which) {
       const format f = which == 0 ? c.k_format : c.v_format;
       if (f == format::q4)
-        b += which == 0 ? sizeof(q4_block) * head_dim : sizeof(q4_block) * q4_value_blocks(head_dim) * c.tokens;
+        b += which == 0 ? q4_key_group_bytes(head_dim) : q4_value_group_bytes(head_dim);
       else
         b += dense_element_bytes(f) * c.tokens * head_dim;
     }

@@ -13,7 +13,6 @@ namespace {
 
 using kvcache::half;
 using kvcache::isa;
-using kvcache::q4_block;
 namespace kernels = kvcache::kernels;
 namespace kb = kvcache::bench;
 
@@ -41,27 +40,28 @@ const float* f32_cache() {
   }();
   return b.as<float>();
 }
-// Keys: [head][group][head_dim] blocks; values: [head][token][head_dim / 32] blocks.
-const q4_block* q4_keys() {
-  static const kb::buffer b = [] {
-    kb::buffer x(std::size_t{heads} * ctx_groups * head_dim * sizeof(q4_block));
-    const half* src = f16_cache();
-    const kernels::table& t = *kernels::find(isa::scalar);
-    for (std::size_t g = 0; g < std::size_t{heads} * ctx_groups; ++g)
-      t.quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, x.as<q4_block>() + g * head_dim);
-    return x;
-  }();
-  return b.as<q4_block>();
+// Q4 groups (format.hpp), keys and values alike: [head][group] groups of key_group / value_group bytes.
+constexpr std::size_t key_group = kvcache::q4_key_group_bytes(head_dim);
+constexpr std::size_t value_group = kvcache::q4_value_group_bytes(head_dim);
+kb::buffer make_q4_groups(bool values) {
+  const std::size_t bytes = values ? value_group : key_group;
+  kb::buffer x(std::size_t{heads} * ctx_groups * bytes);
+  const half* src = f16_cache();
+  const kernels::table& t = *kernels::find(isa::scalar);
+  for (std::size_t g = 0; g < std::size_t{heads} * ctx_groups; ++g) {
+    auto* dst = x.as<std::uint8_t>() + g * bytes;
+    if (values) t.quantize_values(src + g * 32 * head_dim, head_dim, 32, head_dim, dst);
+    else t.quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, dst);
+  }
+  return x;
 }
-const q4_block* q4_values() {
-  static const kb::buffer b = [] {
-    constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
-    kb::buffer x(ctx_values / head_dim * nb * sizeof(q4_block));
-    kernels::find(isa::scalar)
-        ->quantize_values(f16_cache(), head_dim, heads * ctx_tokens, head_dim, x.as<q4_block>());
-    return x;
-  }();
-  return b.as<q4_block>();
+const std::uint8_t* q4_keys() {
+  static const kb::buffer b = make_q4_groups(false);
+  return b.as<std::uint8_t>();
+}
+const std::uint8_t* q4_values() {
+  static const kb::buffer b = make_q4_groups(true);
+  return b.as<std::uint8_t>();
 }
 
 std::int64_t i64(std::size_t v) { return static_cast<std::int64_t>(v); }
@@ -95,44 +95,43 @@ constexpr std::size_t migrate_groups = 1024;
 
 void quantize_keys(benchmark::State& s, const kernels::table* t) {
   const half* src = f16_cache();
-  kb::buffer dst(migrate_groups * head_dim * sizeof(q4_block));
+  kb::buffer dst(migrate_groups * key_group);
   for (auto _ : s) {
     for (std::size_t g = 0; g < migrate_groups; ++g)
-      t->quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<q4_block>() + g * head_dim);
+      t->quantize_keys(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<std::uint8_t>() + g * key_group);
     benchmark::ClobberMemory();
   }
   const std::size_t values = migrate_groups * 32 * head_dim;
   s.SetItemsProcessed(i64(s.iterations()) * i64(values));
-  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * head_dim * sizeof(q4_block)));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * key_group));
   kb::compare_to_memcpy(s);
 }
 
 void quantize_values(benchmark::State& s, const kernels::table* t) {
   const half* src = f16_cache();
-  constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
-  kb::buffer dst(migrate_groups * 32 * nb * sizeof(q4_block));
+  kb::buffer dst(migrate_groups * value_group);
   for (auto _ : s) {
     for (std::size_t g = 0; g < migrate_groups; ++g)
-      t->quantize_values(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<q4_block>() + g * 32 * nb);
+      t->quantize_values(src + g * 32 * head_dim, head_dim, 32, head_dim, dst.as<std::uint8_t>() + g * value_group);
     benchmark::ClobberMemory();
   }
   const std::size_t values = migrate_groups * 32 * head_dim;
   s.SetItemsProcessed(i64(s.iterations()) * i64(values));
-  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * 32 * nb * sizeof(q4_block)));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(values * 2 + migrate_groups * value_group));
   kb::compare_to_memcpy(s);
 }
 
 void dequantize_keys(benchmark::State& s, const kernels::table* t) {
-  const q4_block* src = q4_keys();
+  const std::uint8_t* src = q4_keys();
   kb::buffer dst(std::size_t{32} * head_dim * sizeof(float));
   for (auto _ : s) {
     for (std::size_t g = 0; g < migrate_groups; ++g)
-      t->dequantize_keys(src + g * head_dim, 32, head_dim, dst.as<float>(), head_dim);
+      t->dequantize_keys(src + g * key_group, 32, head_dim, dst.as<float>(), head_dim);
     benchmark::ClobberMemory();
   }
   const std::size_t values = migrate_groups * 32 * head_dim;
   s.SetItemsProcessed(i64(s.iterations()) * i64(values));
-  s.SetBytesProcessed(i64(s.iterations()) * i64(migrate_groups * head_dim * sizeof(q4_block)));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(migrate_groups * key_group));
 }
 
 // Decode attention inner products over one layer: 8 KV heads x 32k tokens, nq queries per head.
@@ -179,32 +178,32 @@ void accumulate_dense(benchmark::State& s, const kernels::table* t, std::uint32_
 }
 
 void scores_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
-  const q4_block* k = q4_keys();
+  const std::uint8_t* k = q4_keys();
   kb::buffer q(std::size_t{nq} * head_dim * sizeof(float)), out(std::size_t{nq} * ctx_tokens * sizeof(float));
   kb::fill_normal(q.as<float>(), std::size_t{nq} * head_dim);
   for (auto _ : s) {
     for (std::uint32_t h = 0; h < heads; ++h)
       for (std::uint32_t g = 0; g < ctx_groups; ++g)
-        t->scores_q4(q.as<float>(), nq, k + (std::size_t{h} * ctx_groups + g) * head_dim, 32, head_dim,
+        t->scores_q4(q.as<float>(), nq, k + (std::size_t{h} * ctx_groups + g) * key_group, 32, head_dim,
                      out.as<float>() + g * 32, ctx_tokens, {});
     benchmark::ClobberMemory();
   }
-  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_groups * head_dim * sizeof(q4_block)));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_groups * key_group));
   s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
 }
 
 void accumulate_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
-  const q4_block* v = q4_values();
-  constexpr std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
+  const std::uint8_t* v = q4_values();
   kb::buffer p(std::size_t{nq} * ctx_tokens * sizeof(float)), acc(std::size_t{nq} * head_dim * sizeof(float));
   kb::fill_normal(p.as<float>(), std::size_t{nq} * ctx_tokens, 0.01f);
   for (auto _ : s) {
     for (std::uint32_t h = 0; h < heads; ++h)
-      t->accumulate_q4(p.as<float>(), ctx_tokens, nq, v + std::size_t{h} * ctx_tokens * nb, ctx_tokens, head_dim,
-                       acc.as<float>(), {});
+      for (std::uint32_t g = 0; g < ctx_groups; ++g)
+        t->accumulate_q4(p.as<float>() + g * 32, ctx_tokens, nq, v + (std::size_t{h} * ctx_groups + g) * value_group, 0,
+                         32, head_dim, acc.as<float>(), {});
     benchmark::ClobberMemory();
   }
-  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens * nb * sizeof(q4_block)));
+  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_groups * value_group));
   s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
 }
 

@@ -79,9 +79,16 @@ bool dense(format f) { return f == format::f32 || f == format::f16; }
 
 // ---- Q4 migration ----------------------------------------------------------------------------
 
-// The scalar reference's quantize_group (src/kernels_scalar.cpp), operation for operation; the
-// explicit _rn intrinsics keep nvcc from contracting into FMAs, so codes are bit-identical.
-__device__ void quantize_group(const std::uint16_t* x, std::size_t stride, std::uint32_t n, q4_block* out) {
+// The FP16 scale and minimum of one Q4 group, and what quantizing with them needs (the scalar
+// reference's q4_fit, src/kernels_scalar.cpp).
+struct q4_fit {
+  std::uint16_t scale_bits, min_bits;
+  float minf, inv;
+};
+
+// The scalar reference's fit_group, operation for operation, over n (1..32) halves x[i * stride];
+// the explicit _rn intrinsics keep nvcc from contracting into FMAs, so results are bit-identical.
+__device__ q4_fit fit_group(const std::uint16_t* x, std::size_t stride, std::uint32_t n) {
   float mn = detail::h2f(x[0]);
   float mx = mn;
   for (std::uint32_t i = 1; i < n; ++i) {
@@ -89,27 +96,66 @@ __device__ void quantize_group(const std::uint16_t* x, std::size_t stride, std::
     mn = f < mn ? f : mn;  // std::min / std::max semantics (signed zeros, NaN) as the reference
     mx = mx < f ? f : mx;
   }
-  const std::uint16_t min_bits = detail::f2h(__fadd_rn(mn, 0.0f));  // -0 -> +0, as the reference
-  const float minf = detail::h2f(min_bits);
-  const float step = __fdiv_rn(__fsub_rn(mx, minf), 15.0f);
-  std::uint16_t scale_bits = detail::f2h(step);
-  if (detail::h2f(scale_bits) < step) ++scale_bits;  // round the scale up (scale_round_up)
-  const float s = detail::h2f(scale_bits);
-  const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
-  std::uint8_t codes[q4_group / 2] = {};
-  for (std::uint32_t i = 0; i < n; ++i) {
-    float c = __fmul_rn(__fsub_rn(detail::h2f(x[i * stride]), minf), inv);
-    c = !(c >= 0.0f) ? 0.0f : (c > 15.0f ? 15.0f : c);
-    const auto code = static_cast<std::uint32_t>(__fadd_rn(c, 0.5f));
-    if (i < 16) codes[i] = static_cast<std::uint8_t>(codes[i] | code);
-    else codes[i - 16] = static_cast<std::uint8_t>(codes[i - 16] | (code << 4));
-  }
-  out->scale.bits = scale_bits;
-  out->min.bits = min_bits;
-  for (std::uint32_t i = 0; i < q4_group / 2; ++i) out->codes[i] = codes[i];
+  q4_fit r;
+  r.min_bits = detail::f2h(__fadd_rn(mn, 0.0f));  // -0 -> +0, as the reference
+  r.minf = detail::h2f(r.min_bits);
+  const float step = __fadd_rn(__fdiv_rn(__fsub_rn(mx, r.minf), 15.0f), 0.0f);  // + 0: +0 for a zero range
+  r.scale_bits = detail::f2h(step);
+  if (detail::h2f(r.scale_bits) < step) ++r.scale_bits;  // round the scale up (scale_round_up)
+  const float s = detail::h2f(r.scale_bits);
+  r.inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+  return r;
 }
 
-// One block per (pair, layer, kv head): threads take key channels, then (token, value group) pairs.
+// The reference's code_of: round((x - min) / scale) as (x - min) * (1 / scale) + 0.5 truncated,
+// clamped to [0, 15] (NaN -> 0).
+__device__ __forceinline__ std::uint32_t code_of(std::uint16_t x, const q4_fit& f) {
+  float c = __fmul_rn(__fsub_rn(detail::h2f(x), f.minf), f.inv);
+  c = !(c >= 0.0f) ? 0.0f : (c > 15.0f ? 15.0f : c);
+  return static_cast<std::uint32_t>(__fadd_rn(c, 0.5f));
+}
+
+// Channel c (< q4_key_channels(D)) of a key group (format.hpp) from `tokens` rows x[t * D]: its
+// 16 code bytes (token j low nibble, j + 16 high; 0 for missing tokens), scale and minimum; a
+// padding channel (c >= D) gets codes, scale and minimum 0. Every byte of the channel is written.
+__device__ void quantize_key_channel(const std::uint16_t* x, std::uint32_t D, std::uint32_t tokens, std::uint32_t c,
+                                     std::byte* group) {
+  auto* codes = reinterpret_cast<std::uint8_t*>(group);
+  q4_fit f{0, 0, 0.0f, 0.0f};
+  if (c < D) f = fit_group(x + c, D, tokens);
+  for (std::uint32_t j = 0; j < q4_group / 2; ++j) {
+    const std::uint32_t lo = c < D && j < tokens ? code_of(x[static_cast<std::size_t>(j) * D + c], f) : 0u;
+    const std::uint32_t hi = c < D && j + 16 < tokens ? code_of(x[static_cast<std::size_t>(j + 16) * D + c], f) : 0u;
+    codes[q4_key_code_byte(c, j)] = static_cast<std::uint8_t>(lo | (hi << 4));
+  }
+  reinterpret_cast<std::uint16_t*>(group + q4_key_scales_offset(D))[c] = f.scale_bits;
+  reinterpret_cast<std::uint16_t*>(group + q4_key_mins_offset(D))[c] = f.min_bits;
+}
+
+// Token t (0..31), column g of a value group (format.hpp) from the row x[D] of that token (null
+// for a token past the group's count, which gets codes, scale and minimum 0, as the reference
+// writes them): its 16 code bytes (channel 32 g + j low nibble, 32 g + j + 16 high; 0 past D),
+// scale and minimum.
+__device__ void quantize_value_block(const std::uint16_t* x, std::uint32_t D, std::uint32_t t, std::uint32_t g,
+                                     std::byte* group) {
+  auto* codes = reinterpret_cast<std::uint8_t*>(group);
+  const std::uint32_t n = x != nullptr ? min(q4_group, D - g * q4_group) : 0u;  // channels of the column
+  const std::uint16_t* col = x != nullptr ? x + g * q4_group : nullptr;
+  q4_fit f{0, 0, 0.0f, 0.0f};
+  if (n > 0) f = fit_group(col, 1, n);
+  for (std::uint32_t j = 0; j < q4_group / 2; ++j) {
+    const std::uint32_t lo = j < n ? code_of(col[j], f) : 0u;
+    const std::uint32_t hi = j + 16 < n ? code_of(col[j + 16], f) : 0u;
+    codes[q4_value_code_byte(t, g * q4_group + j)] = static_cast<std::uint8_t>(lo | (hi << 4));
+  }
+  reinterpret_cast<std::uint16_t*>(group + q4_value_scales_offset(D))[g * q4_group + t] = f.scale_bits;
+  reinterpret_cast<std::uint16_t*>(group + q4_value_mins_offset(D))[g * q4_group + t] = f.min_bits;
+}
+
+// One block per (pair, layer, kv head). Q4 keys: a thread per key channel (neighbouring threads
+// write neighbouring code bytes of a channel quad and neighbouring scales); Q4 values: a thread
+// per (column, token slot) of all 32 slots, token fastest (neighbouring bytes of a token quad,
+// neighbouring scales). Both groups are written whole, bit-identical to the scalar quantizer.
 __global__ void migrate_kernel(migrate_params p) {
   const std::uint32_t pair = blockIdx.x, layer = blockIdx.y, head = blockIdx.z;
   const std::uint32_t D = p.head_dim;
@@ -119,22 +165,22 @@ __global__ void migrate_kernel(migrate_params p) {
   const auto* sv = reinterpret_cast<const std::uint16_t*>(
       static_cast<const std::byte*>(p.src.v) + layer * p.src_layer_stride_v +
       p.src_page[pair] * p.src.v_page_stride + head * p.src.v_head_stride);  // [token][D]
-  auto* dk = reinterpret_cast<q4_block*>(static_cast<std::byte*>(p.dst.k) + layer * p.dst_layer_stride_k +
-                                         p.dst_page[pair] * p.dst.k_page_stride + head * p.dst.k_head_stride);  // [D]
-  auto* dv = reinterpret_cast<q4_block*>(static_cast<std::byte*>(p.dst.v) + layer * p.dst_layer_stride_v +
-                                         p.dst_page[pair] * p.dst.v_page_stride + head * p.dst.v_head_stride);  // [token][nb]
+  std::byte* dk = static_cast<std::byte*>(p.dst.k) + layer * p.dst_layer_stride_k + p.dst_page[pair] * p.dst.k_page_stride +
+                  head * p.dst.k_head_stride;  // key group, or [token][D] halves
+  std::byte* dv = static_cast<std::byte*>(p.dst.v) + layer * p.dst_layer_stride_v + p.dst_page[pair] * p.dst.v_page_stride +
+                  head * p.dst.v_head_stride;  // value group, or [token][D] halves
   if (p.dst.k_format == format::q4) {
-    for (std::uint32_t d = threadIdx.x; d < D; d += blockDim.x) quantize_group(sk + d, D, p.tokens, dk + d);
+    const std::uint32_t C = q4_key_channels(D);
+    for (std::uint32_t c = threadIdx.x; c < C; c += blockDim.x) quantize_key_channel(sk, D, p.tokens, c, dk);
   } else {  // f16 store group: a plain copy of the rows
     auto* out = reinterpret_cast<std::uint16_t*>(dk);
     for (std::uint32_t i = threadIdx.x; i < p.tokens * D; i += blockDim.x) out[i] = sk[i];
   }
   if (p.dst.v_format == format::q4) {
-    const std::uint32_t nb = q4_value_blocks(D);
-    for (std::uint32_t i = threadIdx.x; i < p.tokens * nb; i += blockDim.x) {
-      const std::uint32_t t = i / nb, g = i % nb;
-      const std::uint32_t n = min(q4_group, D - g * q4_group);
-      quantize_group(sv + static_cast<std::size_t>(t) * D + g * q4_group, 1, n, dv + i);
+    const std::uint32_t slots = q4_value_blocks(D) * q4_group;
+    for (std::uint32_t i = threadIdx.x; i < slots; i += blockDim.x) {
+      const std::uint32_t g = i / q4_group, t = i % q4_group;
+      quantize_value_block(t < p.tokens ? sv + static_cast<std::size_t>(t) * D : nullptr, D, t, g, dv);
     }
   } else {
     auto* out = reinterpret_cast<std::uint16_t*>(dv);
@@ -182,6 +228,17 @@ inline result<void> validate_migrate(const migrate_params& p) {
     return fail(errc::invalid_argument, "cuda_migrate: null page pointer");
   if (p.kv_heads > 65535 || p.layers > 65535)
     return fail(errc::invalid_argument, "cuda_migrate: grid limit", {{"layers", p.layers}, {"kv_heads", p.kv_heads}});
+  for (const bool keys : {true, false}) {  // Q4 destinations: whole, aligned groups per head
+    if ((keys ? p.dst.k_format : p.dst.v_format) != format::q4) continue;
+    const std::size_t group = keys ? q4_key_group_bytes(p.head_dim) : q4_value_group_bytes(p.head_dim);
+    const std::uint64_t head = keys ? p.dst.k_head_stride : p.dst.v_head_stride;
+    if (p.kv_heads > 1 && head < group)
+      return fail(errc::invalid_argument, "cuda_migrate: Q4 head stride smaller than one group",
+                  {{"keys", keys ? 1 : 0}, {"head_stride", static_cast<long long>(head)}, {"group_bytes", static_cast<long long>(group)}});
+    if (keys ? !detail::q4_aligned(p.dst.k, p.dst.k_page_stride, p.dst.k_head_stride, p.dst_layer_stride_k)
+             : !detail::q4_aligned(p.dst.v, p.dst.v_page_stride, p.dst.v_head_stride, p.dst_layer_stride_v))
+      return fail(errc::invalid_argument, "cuda_migrate: Q4 pages and strides must be 4-byte aligned", {{"keys", keys ? 1 : 0}});
+  }
   return {};
 }
 

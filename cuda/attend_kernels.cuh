@@ -4,11 +4,14 @@
 // attend_partial: one block per (sequence, kv head, group of up to kMaxG query heads, split).
 // Each of its kWarps warps walks tiles of 32 tokens of the split:
 //   scores  lane = token: dense keys dot the query rows held in shared memory; q4 keys (one page =
-//           one group of 32 tokens) use the query with the page's per-channel scales folded in
-//           (qs[g][d] = q[g][d] * scale_d, once per page per warp) and one constant sum_d q*min_d,
-//           so the inner loop is codes x folded query (DESIGN.md 2.5);
+//           one key group of 32 tokens, format.hpp) use the query with the page's per-channel
+//           scales folded in (qs[g][d] = q[g][d] * scale_d, once per page per warp) and one
+//           constant sum_d q*min_d, so the inner loop is codes x folded query (DESIGN.md 2.5),
+//           a lane reading the codes of its token four channels at a time (one 32-bit word);
 //   softmax online, base 2 (scores pre-multiplied by scale * log2 e);
-//   values  lane = channel (lane + 32 j): acc += p * v, for q4 values (p * scale) * code + p * min.
+//   values  lane = channel (lane + 32 j): acc += p * v, for q4 values (one value group per page)
+//           (p * scale) * code + p * min, a lane reading its channel's codes of four tokens at a
+//           time (one 32-bit word).
 // The warps' states are merged in shared memory and written as one partial state (max, sum,
 // unnormalized output) per (sequence, query head, split). attend_merge combines every split of
 // every segment per (sequence, query head).
@@ -166,7 +169,6 @@ __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std:
     for (std::uint32_t j = 0; j < kMaxJ; ++j) acc[g][j] = 0.0f;
   }
   const std::uint32_t nj = (D + 31) / 32;
-  const std::uint32_t nvb = q4_value_blocks(D);
 
   for (std::uint32_t t0 = t_begin + warp * 32; t0 < t_end; t0 += kWarps * 32) {
     const std::uint32_t nt = min(32u, t_end - t0);
@@ -181,27 +183,40 @@ __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std:
 #pragma unroll
     for (std::uint32_t g = 0; g < kMaxG; ++g) s[g] = 0.0f;
     if constexpr (KF == format::q4) {
-      // All lanes share one page (tile = page): fold its scales into the query once.
-      const auto* kb = reinterpret_cast<const q4_block*>(k_head);  // [D]
+      // All lanes share one page, one key group (tile = page): fold its scales into the query once.
+      const std::byte* kg = k_head;  // key group (format.hpp), 4-byte aligned (validated)
+      const auto* ksc = reinterpret_cast<const std::uint16_t*>(kg + q4_key_scales_offset(D));
+      const auto* kmn = reinterpret_cast<const std::uint16_t*>(kg + q4_key_mins_offset(D));
+      const std::uint32_t C = q4_key_channels(D);  // <= cuda_max_head_dim (a multiple of 4)
       float cmin[kMaxG];
 #pragma unroll
       for (std::uint32_t g = 0; g < kMaxG; ++g) cmin[g] = 0.0f;
-      for (std::uint32_t d = lane; d < D; d += 32) {
-        const float sc = half_bits_to_float(kb[d].scale.bits), mn = half_bits_to_float(kb[d].min.bits);
+      for (std::uint32_t d = lane; d < C; d += 32) {
+        const bool real = d < D;  // padding channels D..C-1: folded query 0
+        const float sc = real ? half_bits_to_float(ksc[d]) : 0.0f, mn = real ? half_bits_to_float(kmn[d]) : 0.0f;
 #pragma unroll
         for (std::uint32_t g = 0; g < kMaxG; ++g)
           if (g < ng) {
-            sm.u.qs[warp][g][d] = sm.q[g][d] * sc;
-            cmin[g] = fmaf(sm.q[g][d], mn, cmin[g]);
+            sm.u.qs[warp][g][d] = real ? sm.q[g][d] * sc : 0.0f;
+            if (real) cmin[g] = fmaf(sm.q[g][d], mn, cmin[g]);
           }
       }
       __syncwarp();
-      const std::uint32_t byte = lane % 16, shift = lane < 16 ? 0 : 4;
-      for (std::uint32_t d = 0; d < D; ++d) {
-        const float c = static_cast<float>((kb[d].codes[byte] >> shift) & 0x0f);
+      // Lane = token: the 32-bit word (lane % 16) of channel quad c4 holds the codes of channels
+      // 4 c4 .. 4 c4 + 3 of tokens lane % 16 (low nibbles) and lane % 16 + 16 (high nibbles), so
+      // a warp reads each quad's 64 bytes in one coalesced load (lanes l and l + 16 share a word).
+      // (The channel loop inside stays rolled: unrolled, sm_90 needs ~160 registers instead of 128.)
+      const auto* words = reinterpret_cast<const std::uint32_t*>(kg) + lane % 16;
+      const std::uint32_t shift = lane < 16 ? 0 : 4;
+      for (std::uint32_t c4 = 0; c4 < C / 4; ++c4) {
+        std::uint32_t w = words[c4 * 16] >> shift;
+#pragma unroll 1
+        for (std::uint32_t i = 0; i < 4; ++i, w >>= 8) {
+          const float code = static_cast<float>(w & 0x0fu);
 #pragma unroll
-        for (std::uint32_t g = 0; g < kMaxG; ++g)
-          if (g < ng) s[g] = fmaf(sm.u.qs[warp][g][d], c, s[g]);
+          for (std::uint32_t g = 0; g < kMaxG; ++g)
+            if (g < ng) s[g] = fmaf(sm.u.qs[warp][g][4 * c4 + i], code, s[g]);
+        }
       }
 #pragma unroll
       for (std::uint32_t g = 0; g < kMaxG; ++g) s[g] += warp_sum(cmin[g]);
@@ -224,27 +239,46 @@ __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std:
       for (std::uint32_t j = 0; j < kMaxJ; ++j) acc[g][j] *= alpha;
     }
 
-    // Values: lanes over channels; token i's row address comes from lane i.
-    const auto v_addr = reinterpret_cast<unsigned long long>(
-        v_head + static_cast<std::size_t>(slot) *
-                     (VF == format::q4 ? nvb * sizeof(q4_block) : D * dense_element_bytes(VF)));
-    for (std::uint32_t i = 0; i < nt; ++i) {
-      const auto* row = reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, v_addr, i));
-      float w[kMaxG];
+    if constexpr (VF == format::q4) {
+      // Values: lane = channel lane + 32 j of column j of the page's value group (tile = page,
+      // token i = slot i). The 32-bit word (lane % 16) of token quad i / 4 in column j holds
+      // channel 32 j + lane % 16 (low nibbles) and 32 j + lane % 16 + 16 (high) of the quad's four
+      // tokens: one coalesced 64-byte load per column for a quad, which its next three tokens
+      // find in L1 (keeping the four codes in registers instead costs sm_90 ~30 registers).
+      // Scales and minimums of tokens past nt are never read (unspecified, possibly not finite).
+      const std::byte* vg = v_head;  // the tile's page: value group (format.hpp), 4-byte aligned (validated)
+      const auto* vsc = reinterpret_cast<const std::uint16_t*>(vg + q4_value_scales_offset(D));  // [j][token]
+      const auto* vmn = reinterpret_cast<const std::uint16_t*>(vg + q4_value_mins_offset(D));
+      const auto* words = reinterpret_cast<const std::uint32_t*>(vg) + lane % 16;
+      const std::uint32_t shift = lane < 16 ? 0 : 4;
+      for (std::uint32_t i = 0; i < nt; ++i) {
+        float w[kMaxG];
 #pragma unroll
-      for (std::uint32_t g = 0; g < kMaxG; ++g) w[g] = __shfl_sync(0xffffffffu, pr[g], i);
+        for (std::uint32_t g = 0; g < kMaxG; ++g) w[g] = __shfl_sync(0xffffffffu, pr[g], i);
+        const std::uint32_t sh = shift + 8 * (i % 4);
 #pragma unroll
-      for (std::uint32_t j = 0; j < kMaxJ; ++j) {
-        const std::uint32_t c = lane + 32 * j;
-        if (j < nj && c < D) {
-          if constexpr (VF == format::q4) {
-            const q4_block& vb = reinterpret_cast<const q4_block*>(row)[j];
-            const float sc = half_bits_to_float(vb.scale.bits), mn = half_bits_to_float(vb.min.bits);
-            const float code = static_cast<float>(lane < 16 ? (vb.codes[lane] & 0x0f) : (vb.codes[lane - 16] >> 4));
+        for (std::uint32_t j = 0; j < kMaxJ; ++j)
+          if (j < nj) {
+            const float code = static_cast<float>((words[j * 128 + i / 4 * 16] >> sh) & 0x0fu);
+            const float sc = half_bits_to_float(vsc[j * q4_group + i]), mn = half_bits_to_float(vmn[j * q4_group + i]);
 #pragma unroll
             for (std::uint32_t g = 0; g < kMaxG; ++g)
               if (g < ng) acc[g][j] += fmaf(w[g] * sc, code, w[g] * mn);
-          } else {
+          }
+      }
+    } else {
+      // Values: lanes over channels; token i's row address comes from lane i.
+      const auto v_addr =
+          reinterpret_cast<unsigned long long>(v_head + static_cast<std::size_t>(slot) * D * dense_element_bytes(VF));
+      for (std::uint32_t i = 0; i < nt; ++i) {
+        const auto* row = reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, v_addr, i));
+        float w[kMaxG];
+#pragma unroll
+        for (std::uint32_t g = 0; g < kMaxG; ++g) w[g] = __shfl_sync(0xffffffffu, pr[g], i);
+#pragma unroll
+        for (std::uint32_t j = 0; j < kMaxJ; ++j) {
+          const std::uint32_t c = lane + 32 * j;
+          if (j < nj && c < D) {
             const float x = VF == format::f32 ? reinterpret_cast<const float*>(row)[c]
                                               : half_bits_to_float(reinterpret_cast<const std::uint16_t*>(row)[c]);
 #pragma unroll
@@ -372,6 +406,19 @@ inline result<void> validate_attend(const attend_params& p) {
       return fail(errc::invalid_argument, "cuda_attend: segment pages", {{"segment", s}, {"page_tokens", pg.page_tokens}});
     if ((pg.k_format == format::q4 || pg.v_format == format::q4) && pg.page_tokens != q4_group)
       return fail(errc::unsupported, "cuda_attend: q4 pages must hold 32 tokens", {{"segment", s}, {"page_tokens", pg.page_tokens}});
+    for (const bool keys : {true, false}) {  // Q4 pages: one whole, aligned group per head
+      if ((keys ? pg.k_format : pg.v_format) != format::q4) continue;
+      const std::size_t group = keys ? q4_key_group_bytes(p.head_dim) : q4_value_group_bytes(p.head_dim);
+      const std::uint64_t head = keys ? pg.k_head_stride : pg.v_head_stride;
+      if (p.kv_heads > 1 && head < group)
+        return fail(errc::invalid_argument, "cuda_attend: Q4 head stride smaller than one group",
+                    {{"segment", s}, {"keys", keys ? 1 : 0}, {"head_stride", static_cast<long long>(head)},
+                     {"group_bytes", static_cast<long long>(group)}});
+      if (keys ? !detail::q4_aligned(pg.k, pg.k_page_stride, pg.k_head_stride)
+               : !detail::q4_aligned(pg.v, pg.v_page_stride, pg.v_head_stride))
+        return fail(errc::invalid_argument, "cuda_attend: Q4 pages and strides must be 4-byte aligned",
+                    {{"segment", s}, {"keys", keys ? 1 : 0}});
+    }
     if (t.batch != p.batch || t.indptr == nullptr || t.indices == nullptr || t.last_page_len == nullptr)
       return fail(errc::invalid_argument, "cuda_attend: segment table", {{"segment", s}, {"table_batch", t.batch}, {"batch", p.batch}});
     if (p.max_splits[s] == 0 || p.max_splits[s] > 65535)

@@ -24,5 +24,10 @@ __device__ __forceinline__ float load_dense(const std::byte* p, format f, std::s
   return h2f(reinterpret_cast<const std::uint16_t*>(p)[i]);
 }
 
+/// Whether Q4 groups at base + any multiple of the strides are 4-byte aligned, as the kernels
+/// need them (32-bit code loads; FP16 scales and minimums). Host-side validation helper.
+inline bool q4_aligned(const void* base, std::uint64_t a, std::uint64_t b, std::uint64_t c = 0) {
+  return ((reinterpret_cast<std::uintptr_t>(base) | a | b | c) & 3u) == 0;
+}
 
 }  // namespace kvcache::detail

@@ -193,9 +193,12 @@ result<two_tier_cache<cuda>> two_tier_cache<cuda>::create(const two_tier_config&
     return fail(errc::overflow, "two_tier_cache<cuda>: page count", {{"store_pages", static_cast<long long>(store_pages)}});
   p->store_pages = static_cast<std::uint32_t>(store_pages);
   p->tail_pages = static_cast<std::uint32_t>(tail_pages);
-  const std::size_t D = g.head_dim, nb = q4_value_blocks(g.head_dim);
-  p->k_group_head = cfg.key_format == format::q4 ? D * sizeof(q4_block) : G * D * sizeof(half);
-  p->v_group_head = cfg.value_format == format::q4 ? G * nb * sizeof(q4_block) : G * D * sizeof(half);
+  // A Q4 group of one head (format.hpp): 20 bytes per key channel (rounded up to 4 channels), 640
+  // per value column of 32 channels, multiples of 16 bytes (the kernels need 4-byte alignment);
+  // f16: 32 dense rows.
+  const std::size_t D = g.head_dim;
+  p->k_group_head = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : G * D * sizeof(half);
+  p->v_group_head = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : G * D * sizeof(half);
   p->tail_head = G * D * sizeof(half);
   auto store_layer = checked_mul(store_pages * g.kv_heads, p->k_group_head + p->v_group_head, "two_tier<cuda>: store bytes");
   KVCACHE_TRY(store_layer);

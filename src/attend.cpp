@@ -64,11 +64,11 @@ result<void> validate_params(const attention_params& p) {
 
 // Bytes one kv head of a chunk occupies, for the stride check.
 std::size_t key_head_bytes(const chunk& c, std::uint32_t head_dim) {
-  if (c.k_format == format::q4) return sizeof(q4_block) * head_dim;
+  if (c.k_format == format::q4) return q4_key_group_bytes(head_dim);
   return dense_element_bytes(c.k_format) * c.tokens * head_dim;
 }
 std::size_t value_head_bytes(const chunk& c, std::uint32_t head_dim) {
-  if (c.v_format == format::q4) return sizeof(q4_block) * q4_value_blocks(head_dim) * c.tokens;
+  if (c.v_format == format::q4) return q4_value_group_bytes(head_dim);
   return dense_element_bytes(c.v_format) * c.tokens * head_dim;
 }
 
@@ -90,8 +90,8 @@ result<void> validate_view(const layer_view& v, std::size_t s, const attention_p
                    {"v_format", static_cast<int>(c.v_format)}});
     if (c.k == nullptr || c.v == nullptr)
       return fail(errc::bad_shape, "attend: chunk with tokens has a null K or V pointer", {{"sequence", seq}, {"chunk", ci}});
-    if (c.k_format == format::q4 && c.tokens > q4_group)
-      return fail(errc::bad_shape, "attend: Q4 key chunk holds more than one 32-token group",
+    if ((c.k_format == format::q4 || c.v_format == format::q4) && c.tokens > q4_group)
+      return fail(errc::bad_shape, "attend: Q4 chunk holds more than one 32-token group",
                   {{"sequence", seq}, {"chunk", ci}, {"tokens", c.tokens}});
     if (p.kv_heads > 1) {
       const std::size_t kb = key_head_bytes(c, p.head_dim), vb = value_head_bytes(c, p.head_dim);
@@ -287,7 +287,7 @@ void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
   if (ch.k_format == format::q4) {  // validated: the whole chunk is one group; off == 0
-    kt.scores_q4(qf, g, reinterpret_cast<const q4_block*>(kb), n, hd, s, c.tile, pf.take());
+    kt.scores_q4(qf, g, reinterpret_cast<const std::uint8_t*>(kb), n, hd, s, c.tile, pf.take());
     return;
   }
   // While the stream runs (small chunks) it has prefetched this chunk's rows already: the kernel
@@ -342,7 +342,6 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
   (void)worker;
 #endif
   const kernels::table& kt = *c.kt;
-  const std::uint32_t nb = q4_value_blocks(hd);
   std::uint32_t done = 0;
   for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
     const chunk& ch = view.chunks[cj];
@@ -360,8 +359,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
                           own_or_share(ahead_rows(ch, following(view, cj), true, h, hd, o, n)));
         break;
       case format::q4:
-        kt.accumulate_q4(p, tile, g, reinterpret_cast<const q4_block*>(vb) + static_cast<std::size_t>(o) * nb, n, hd, acc,
-                         own_or_share({}));
+        kt.accumulate_q4(p, tile, g, reinterpret_cast<const std::uint8_t*>(vb), o, n, hd, acc, own_or_share({}));
         break;
     }
     done += n;
@@ -417,8 +415,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         if (ahead != nullptr) pf.start(*ahead, ha, hb, hd, hb - ha);
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
-          c.kt->attend_q4(hs.qf, g, reinterpret_cast<const q4_block*>(ch.k_head(h)),
-                          reinterpret_cast<const q4_block*>(ch.v_head(h)), ch.tokens, hd, hs.run_max, hs.run_sum,
+          c.kt->attend_q4(hs.qf, g, reinterpret_cast<const std::uint8_t*>(ch.k_head(h)),
+                          reinterpret_cast<const std::uint8_t*>(ch.v_head(h)), ch.tokens, hd, hs.run_max, hs.run_sum,
                           hs.acc, pf.take());
         }
         start_ci = ci + 1;  // the tile starts after it

@@ -23,7 +23,6 @@ namespace {
 alignas(64) const std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 #include "avx2_horizontal.inl"
-#include "q4_headers.inl"
 
 // CPUID.(EAX=7,ECX=1):EAX[4], AVX-VNNI (the OS saving the YMM state is checked with AVX2 itself).
 bool has_avx_vnni() {
@@ -39,8 +38,8 @@ struct V {
   static constexpr unsigned score_acc = 8;
   static constexpr unsigned acc_queries = 4;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 8;
-  static constexpr unsigned q4_queries = 2;  // 4 accumulators per query: 2 queries + 4 decoded codes
-  static constexpr bool consecutive_headers = false;  // acc_q4_nq reads headers block by block
+  static constexpr unsigned q4_queries = 2;  // queries per Q4 kernel call (see q4_acc)
+  static constexpr unsigned q4_acc = 8;      // Q4 accumulators: 4 per query and set (+ 2 raw, 4 codes)
   using vf = __m256;
   using vi = __m256i;
   using b16 = __m128i;
@@ -97,7 +96,11 @@ struct V {
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm256_min_ps(_mm256_max_ps(c, zero()), set1(15.0f)); }
   static vi cvtt(vf x) { return _mm256_cvttps_epi32(x); }
-  static vi or_shl4(vi lo, vi hi) { return _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)); }
+  // lo | hi << S, per 32-bit lane.
+  template <unsigned S>
+  static vi or_shl(vi lo, vi hi) { return _mm256_or_si256(lo, _mm256_slli_epi32(hi, S)); }
+  static vi and_i(vi a, vi b) { return _mm256_and_si256(a, b); }
+  static void store_i(std::uint8_t* p, vi x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   // 16 int32 (< 256) in two vectors -> 16 bytes in order.
   static b16 pack16(const vi* v) {
     const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);
@@ -106,8 +109,10 @@ struct V {
   static b16 load16(const std::uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static void store16(std::uint8_t* p, b16 x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x); }
   static b16 zero16() { return _mm_setzero_si128(); }
-  static b16 zip_lo(b16 a, b16 b) { return _mm_unpacklo_epi8(a, b); }
-  static b16 zip_hi(b16 a, b16 b) { return _mm_unpackhi_epi8(a, b); }
+  static b16 zip32_lo(b16 a, b16 b) { return _mm_unpacklo_epi32(a, b); }
+  static b16 zip32_hi(b16 a, b16 b) { return _mm_unpackhi_epi32(a, b); }
+  static b16 zip64_lo(b16 a, b16 b) { return _mm_unpacklo_epi64(a, b); }
+  static b16 zip64_hi(b16 a, b16 b) { return _mm_unpackhi_epi64(a, b); }
   static void decode32(b16 b, vf* out) {
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(b, nib);
@@ -116,6 +121,19 @@ struct V {
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  // The 8 32-bit lanes at p.
+  static vi load_i(const std::uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  // Floats of the 4 bits at S of each lane.
+  template <unsigned S>
+  static vf nibble(vi x) {
+    if constexpr (S == 28) return _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 28));
+    else if constexpr (S == 0) return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0x0f)));
+    else return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, S), _mm256_set1_epi32(0x0f)));
+  }
+  // Lanes j in [lo, hi) = p[j], the others 0 (all 8 readable; the others may hold anything).
+  static vf load_range(const half* p, unsigned lo, unsigned hi) {
+    return _mm256_and_ps(load(p), _mm256_castsi256_ps(_mm256_andnot_si256(mask(lo), mask(hi))));
   }
   // Smallest half >= step (per lane): round to nearest, then one ulp up where that fell below.
   static vf scale_up(vf step, half* out) {
@@ -128,10 +146,6 @@ struct V {
   }
   static vf recip_or_zero(vf s) {
     return _mm256_and_ps(_mm256_div_ps(set1(1.0f), s), _mm256_cmp_ps(s, zero(), _CMP_GT_OQ));
-  }
-  // Scale and min of n blocks b[j * stride] (q4_headers.inl).
-  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    q4_scale_min8(b, stride, n, s, m);
   }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };

@@ -6,11 +6,12 @@
 //
 // The arithmetic is that of kernels_avx512vnni.cpp: the folded query q_d * scale_d is one int8
 // value per channel on a grid of max|q s| / 127 per query, the rounding error's share common to
-// all tokens is added back, and the codes (0..15) are the unsigned operand. What differs is the
-// transpose: AVX2 has no byte permute across
-// lanes, so the codes of a channel quad are transposed in-lane with unpacks, once per group into
-// a small scratch, the low nibbles (tokens 0..15) in the low 128-bit lane and the high nibbles
-// (tokens 16..31) in the high one; and with 16 registers the queries take their turns over it.
+// all tokens is added back, and the codes (0..15) are the unsigned operand. A key channel quad of
+// the group (format.hpp) is one 64-byte row, two vectors here: dword j of the first holds the four
+// channels' codes of tokens j (low nibbles) and 16 + j (high nibbles), of the second tokens 8 + j
+// and 24 + j; masking the nibbles (the high ones left in place: codes times 16) gives the four
+// 8-token vectors vpdpbusd takes as they are. With 16 registers the queries take their turns over
+// the codes two at a time.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -27,11 +28,7 @@ namespace kvcache::kernels::avx2vnni {
 namespace {
 
 #include "avx2_horizontal.inl"
-#include "q4_headers.inl"
-#include "row_prefetch.inl"
 #include "q4_int8.inl"
-
-alignas(16) constexpr std::uint8_t zero_codes[16] = {};
 
 // Lane masks for maskload/maskstore: tail_mask + 8 - n selects the first n of 8 lanes.
 alignas(32) constexpr std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -59,24 +56,13 @@ inline __m256 load_n(const float* p, unsigned n) {
   return n >= 8 ? _mm256_loadu_ps(p) : n == 0 ? _mm256_setzero_ps() : _mm256_maskload_ps(p, mask(n));
 }
 
-// The codes of one channel quad (rows = the 16 code bytes of blocks c0..c3), transposed: t[k]
-// holds in its low lane tokens 4k..4k+3 and in its high lane tokens 16+4k..19+4k, each dword the
-// four channels' codes of one token.
-inline void transpose_quad(const std::uint8_t* c0, const std::uint8_t* c1, const std::uint8_t* c2,
-                           const std::uint8_t* c3, __m256i* t) {
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // high lane: the high nibbles
-  auto row = [&](const std::uint8_t* c) {
-    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    return _mm256_and_si256(_mm256_srlv_epi32(x, shift), nib);
-  };
-  const __m256i r0 = row(c0), r1 = row(c1), r2 = row(c2), r3 = row(c3);
-  const __m256i a = _mm256_unpacklo_epi8(r0, r1), b = _mm256_unpackhi_epi8(r0, r1);
-  const __m256i c = _mm256_unpacklo_epi8(r2, r3), d = _mm256_unpackhi_epi8(r2, r3);
-  t[0] = _mm256_unpacklo_epi16(a, c);
-  t[1] = _mm256_unpackhi_epi16(a, c);
-  t[2] = _mm256_unpacklo_epi16(b, d);
-  t[3] = _mm256_unpackhi_epi16(b, d);
+// The n (<= 8) halves from p as floats. Past n, up to the next even count, a half of the group's
+// padding channels (0) may be read; nothing further.
+inline __m256 halves(const std::uint8_t* p, unsigned n) {
+  const __m128i h = n >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                           : _mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                                _mm256_castsi256_si128(mask((n + 1) / 2)));
+  return _mm256_cvtph_ps(h);
 }
 
 inline __m256i dword_of(const std::int8_t* p) {
@@ -85,20 +71,55 @@ inline __m256i dword_of(const std::int8_t* p) {
   return _mm256_set1_epi32(x);
 }
 
+// acc[i][r] (tokens 8 r .. 8 r + 7; r >= 2: codes times 16) += the dot products of P (1, 2)
+// queries' int8 values y[i] with the codes of `quads` channel quads from `codes`.
+template <unsigned P>
+__attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, unsigned quads, const std::int8_t (*y)[key_chunk],
+                                                     __m256i (*acc)[4], line_prefetch& pf) {
+  line_prefetch f = pf;  // in registers
+  const __m256i nib_lo = _mm256_set1_epi8(0x0F), nib_hi = _mm256_set1_epi8(static_cast<char>(0xF0));
+  __m256i h[P][4];
+  #pragma GCC unroll 4
+  for (unsigned i = 0; i < P; ++i)
+    #pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) h[i][r] = acc[i][r];
+  for (unsigned j = 0; j < quads; ++j) {
+    f.rows(1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32));
+    const __m256i c[4] = {_mm256_and_si256(x0, nib_lo), _mm256_and_si256(x1, nib_lo), _mm256_and_si256(x0, nib_hi),
+                          _mm256_and_si256(x1, nib_hi)};
+    #pragma GCC unroll 2
+    for (unsigned i = 0; i < P; ++i) {
+      const __m256i w = dword_of(y[i] + 4 * j);
+      #pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) dpbusd(h[i][r], c[r], w);
+    }
+  }
+  #pragma GCC unroll 4
+  for (unsigned i = 0; i < P; ++i)
+    #pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) acc[i][r] = h[i][r];
+  pf = f;
+}
+
 template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf) {
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  const std::uint8_t* ks = k + key_scales_at(hd);
+  const std::uint8_t* km = k + key_mins_at(hd);
   // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
   __m256 qmax[NQ], mterm[NQ];
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = _mm256_setzero_ps();
   alignas(32) float scales[cached_channels];
   const bool cached = hd <= cached_channels;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (unsigned c = 0; c < hd; c += 8) {
     const unsigned n = hd - c < 8 ? hd - c : 8;
-    __m256 s, m;
-    q4_scale_min8(k + c, 1, n, s, m);
+    const __m256 s = halves(ks + 2 * c, n), m = halves(km + 2 * c, n);
     if (cached) _mm256_store_ps(scales + c, s);
+    #pragma GCC unroll 4
     for (unsigned i = 0; i < NQ; ++i) {
       const __m256 qv = load_n(q + i * hd + c, n);
       qmax[i] = _mm256_max_ps(qmax[i], _mm256_andnot_ps(sign, _mm256_mul_ps(qv, s)));
@@ -108,40 +129,37 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   query_split qs[NQ];
   for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(hmax8(qmax[i]), hsum8(mterm[i]));
 
-  // Pass 2, per chunk of channels: transpose its codes, fold the queries over it to int8 (with
-  // the sums of y_d = x_d / scale and of Y_d = round(y_d)), then each query's integer dot products
-  // (four 8-token vectors).
-  alignas(32) __m256i acc[NQ][4];
+  // Pass 2, per chunk of channels: fold the queries over it to int8 (with the sums of
+  // y_d = x_d / scale and of Y_d = round(y_d)), then the integer dot products over its channel
+  // quads (four 8-token vectors a query).
+  __m256i acc[NQ][4];
   __m256 ysum[NQ];
   __m256i yisum[NQ];
+  #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) {
+    #pragma GCC unroll 4
     for (unsigned r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_si256();
     ysum[i] = _mm256_setzero_ps();
     yisum[i] = _mm256_setzero_si256();
   }
-  alignas(32) __m256i codes[key_chunk / 4][4];
   alignas(32) std::int8_t qy[NQ][key_chunk];
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     const unsigned quads = (nd + 3) / 4;
-    for (unsigned j = 0; j < quads; ++j) {
-      const unsigned c = c0 + 4 * j;
-      const q4_block* b = k + c;
-      transpose_quad(b[0].codes, c + 1 < hd ? b[1].codes : zero_codes, c + 2 < hd ? b[2].codes : zero_codes,
-                     c + 3 < hd ? b[3].codes : zero_codes, codes[j]);
-    }
-    for (unsigned j = 0; j < 4 * quads; j += 32) {  // channels past nd get weight 0
+    for (unsigned j = 0; j < 4 * quads; j += 32) {  // channels past nd get Y = 0
       __m256 s[4];
+      #pragma GCC unroll 4
       for (unsigned r = 0; r < 4; ++r) {
         const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
-        __m256 m;
         s[r] = _mm256_setzero_ps();
         if (n == 0) continue;
         if (cached) s[r] = load_n(scales + c0 + at, n);
-        else q4_scale_min8(k + c0 + at, 1, n, s[r], m);
+        else s[r] = halves(ks + 2 * (c0 + at), n);
       }
+      #pragma GCC unroll 4
       for (unsigned i = 0; i < NQ; ++i) {
         __m256i y[4];
+        #pragma GCC unroll 4
         for (unsigned r = 0; r < 4; ++r) {
           const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
           const __m256 yf = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));
@@ -152,48 +170,43 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
         pack32(y, qy[i] + j);
       }
     }
-    for (unsigned i = 0; i < NQ; ++i) {
-      __m256i h0 = acc[i][0], h1 = acc[i][1], h2 = acc[i][2], h3 = acc[i][3];
-      row_prefetch* f = i == 0 ? pf : nullptr;  // spread over the first query's quads
-      for (unsigned j = 0; j < quads; ++j) {
-        if (f != nullptr) f->rows(1);
-        const __m256i w = dword_of(qy[i] + 4 * j);
-        dpbusd(h0, _mm256_load_si256(&codes[j][0]), w);
-        dpbusd(h1, _mm256_load_si256(&codes[j][1]), w);
-        dpbusd(h2, _mm256_load_si256(&codes[j][2]), w);
-        dpbusd(h3, _mm256_load_si256(&codes[j][3]), w);
-      }
-      acc[i][0] = h0, acc[i][1] = h1, acc[i][2] = h2, acc[i][3] = h3;
-    }
+    // The last quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0
+    // there. The prefetch is spread over the first pass's quads.
+    const std::uint8_t* codes = k + std::size_t{16} * c0;
+    unsigned i = 0;
+    line_prefetch none;
+    for (; i + 2 <= NQ; i += 2) dot_quads<2>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+    if (i < NQ) dot_quads<1>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
   }
 
-  // Back to floats, and from the vectors' token order (low lanes 0..15, high lanes 16..31) to
-  // the tokens' order.
-  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d.
+  // Back to floats: score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, the
+  // vectors of tokens 16..31 summed with their codes times 16.
   for (unsigned i = 0; i < NQ; ++i) {
     alignas(32) std::int32_t yi[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(yi), yisum[i]);
     std::int32_t ytotal = 0;
     for (const std::int32_t x : yi) ytotal += x;
     const float e = hsum8(ysum[i]) - static_cast<float>(ytotal);
-    const __m256 scale = _mm256_set1_ps(qs[i].scale), base = _mm256_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
-    __m256 v[4];
-    for (unsigned r = 0; r < 4; ++r) v[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), scale, base);
-    const __m256 o[4] = {_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x20),
-                         _mm256_permute2f128_ps(v[0], v[1], 0x31), _mm256_permute2f128_ps(v[2], v[3], 0x31)};
+    const __m256 base = _mm256_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
     float* dst = out + i * out_stride;
     for (unsigned r = 0; r < 4 && 8 * r < tokens; ++r) {
+      const __m256 scale = _mm256_set1_ps(r < 2 ? qs[i].scale : qs[i].scale * 0.0625f);
+      const __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), scale, base);
       const unsigned n = tokens - 8 * r < 8 ? tokens - 8 * r : 8;
-      if (n == 8) _mm256_storeu_ps(dst + 8 * r, o[r]);
-      else _mm256_maskstore_ps(dst + 8 * r, mask(n), o[r]);
+      if (n == 8) _mm256_storeu_ps(dst + 8 * r, o);
+      else _mm256_maskstore_ps(dst + 8 * r, mask(n), o);
     }
   }
 }
 
 }  // namespace
 
-void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride, prefetch_region pf) {
+  if (head_dim > int8_key_channels) {  // see int8_key_channels
+    avx2::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
+    return;
+  }
   scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 

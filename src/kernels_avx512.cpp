@@ -17,8 +17,6 @@
 namespace kvcache::kernels::avx512 {
 namespace {
 
-#include "q4_headers.inl"
-
 // The vector interface kernels_simd.inl is written against: 16 float lanes.
 struct V {
   static constexpr isa which = isa::avx512;
@@ -27,7 +25,8 @@ struct V {
   static constexpr unsigned score_acc = 16;  // dot-product accumulators of a score tile
   static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;   // accumulators of a dense accumulate tile
-  static constexpr unsigned q4_queries = 8;  // queries per Q4 pass (2 accumulators each)
+  static constexpr unsigned q4_queries = 8;  // queries per Q4 kernel call (see q4_acc)
+  static constexpr unsigned q4_acc = 16;     // Q4 accumulators: 2 per query and set (+ 1 raw, 2 codes)
   using vf = __m512;
   using vi = __m512i;
   using b16 = __m128i;
@@ -81,13 +80,19 @@ struct V {
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm512_min_ps(_mm512_max_ps(c, zero()), set1(15.0f)); }
   static vi cvtt(vf x) { return _mm512_cvttps_epi32(x); }
-  static vi or_shl4(vi lo, vi hi) { return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)); }
+  // lo | hi << S, per 32-bit lane.
+  template <unsigned S>
+  static vi or_shl(vi lo, vi hi) { return _mm512_or_si512(lo, _mm512_slli_epi32(hi, S)); }
+  static vi and_i(vi a, vi b) { return _mm512_and_si512(a, b); }
+  static void store_i(std::uint8_t* p, vi x) { _mm512_storeu_si512(p, x); }
   static b16 pack16(const vi* v) { return _mm512_cvtepi32_epi8(v[0]); }
   static b16 load16(const std::uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static void store16(std::uint8_t* p, b16 x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x); }
   static b16 zero16() { return _mm_setzero_si128(); }
-  static b16 zip_lo(b16 a, b16 b) { return _mm_unpacklo_epi8(a, b); }
-  static b16 zip_hi(b16 a, b16 b) { return _mm_unpackhi_epi8(a, b); }
+  static b16 zip32_lo(b16 a, b16 b) { return _mm_unpacklo_epi32(a, b); }
+  static b16 zip32_hi(b16 a, b16 b) { return _mm_unpackhi_epi32(a, b); }
+  static b16 zip64_lo(b16 a, b16 b) { return _mm_unpacklo_epi64(a, b); }
+  static b16 zip64_hi(b16 a, b16 b) { return _mm_unpackhi_epi64(a, b); }
   // Codes to floats by table lookup: vpermps indexes with the low 4 bits of each lane, which are
   // the low nibble; shifting by 4 brings the high nibble there.
   static void decode32(b16 b, vf* out) {
@@ -95,6 +100,19 @@ struct V {
     const __m512i dw = _mm512_cvtepu8_epi32(b);
     out[0] = _mm512_permutexvar_ps(dw, table);
     out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(dw, 4), table);
+  }
+  // The 16 32-bit lanes at p.
+  static vi load_i(const std::uint8_t* p) { return _mm512_loadu_si512(p); }
+  // Floats of the 4 bits at S of each lane: vpermps indexes with the low 4 bits of its lanes.
+  template <unsigned S>
+  static vf nibble(vi x) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if constexpr (S == 0) return _mm512_permutexvar_ps(x, table);
+    else return _mm512_permutexvar_ps(_mm512_srli_epi32(x, S), table);
+  }
+  // Lanes j in [lo, hi) = p[j], the others 0 (and never read: they may hold anything).
+  static vf load_range(const half* p, unsigned lo, unsigned hi) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(mask(hi) & ~mask(lo)), p));
   }
   // Smallest half >= step (per lane): round to nearest, then one ulp up where that fell below.
   static vf scale_up(vf step, half* out) {
@@ -107,36 +125,7 @@ struct V {
   static vf recip_or_zero(vf s) {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, zero(), _CMP_GT_OQ), set1(1.0f), s);
   }
-  // Scale and min of n blocks b[j * stride]: one gather of their first 4 bytes (scale | min << 16).
-  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    q4_scale_min16(b, stride, n, s, m);
-  }
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
-
-  // Value-tile set-up over consecutive blocks (acc_q4_nq): lanes are blocks k = t * nb + g of
-  // 16 / nb tokens, nb a power of two <= 16.
-  static constexpr bool consecutive_headers = true;
-  // Scales and minimums of the `count` (1..16) consecutive blocks b[0..count), 0 beyond.
-  static void consecutive_scale_min(const q4_block* b, unsigned count, vf& s, vf& m) {
-    q4_consecutive_scale_min16(b, count, s, m);
-  }
-  // Lane l = x[l >> shift]: each of the first 16 >> shift elements of x repeated 1 << shift times.
-  static vf spread(vf x, unsigned shift) {
-    return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                   _mm512_set1_epi32(static_cast<int>(shift))),
-                                 x);
-  }
-  // Lane g (g < nb) = the sum of the lanes l with l % nb == g, nb a power of two <= 16.
-  static vf fold(vf x, unsigned nb) {
-    constexpr auto sum = [](vf a, vf b) { return _mm512_add_ps(a, b); };
-    switch (nb) {
-      case 1: return q4_fold<1>(x, sum);
-      case 2: return q4_fold<2>(x, sum);
-      case 4: return q4_fold<4>(x, sum);
-      case 8: return q4_fold<8>(x, sum);
-      default: return x;
-    }
-  }
 };
 
 #include "kernels_simd.inl"

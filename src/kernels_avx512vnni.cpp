@@ -1,7 +1,7 @@
-// Q4 key scores of decode attention in integer arithmetic, for CPUs with AVX-512 VNNI (vpdpbusd:
-// 64 u8 x s8 products per instruction) and VBMI (vpermb, vpermt2b). Compiled with those flags:
-// everything stays in this file's anonymous namespace (see kernels_internal.hpp) except the entry
-// point, which avx512::get() installs only on CPUs that have both extensions.
+// Q4 key scores and value sums of decode attention in integer arithmetic, for CPUs with AVX-512
+// VNNI (vpdpbusd: 64 u8 x s8 products per instruction) and VBMI (vpermt2b). Compiled with those
+// flags: everything stays in this file's anonymous namespace (see kernels_internal.hpp) except the
+// entry points, which avx512::get() installs only on CPUs that have both extensions.
 //
 // The folded query x_d = q_d * scale_d is one int8 value per channel with one scale per query:
 // Y_d = round(x_d / scale), scale = max_d |x_d| / 127, so x_d = scale (Y_d + e_d), |e_d| <= 1/2.
@@ -14,12 +14,28 @@
 // 10 % to the variance of the score error. Two int8 parts (15 bits, as this kernel had before)
 // measured 1.2 to 1.3 times slower here: vpdpbusd and its dword broadcasts share the vector pipes.
 //
-// Values (accumulate_q4) are integer too, where a token has 2, 4 or 8 blocks: per tile of 32
-// tokens, query i and block column g, the weights w_t = p_t * scale_t become u8 on a grid of
-// step = max_t p_t * max_t scale_t / 255, and vpdpbusd sums them with the codes over token quads.
-// The codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most
-// step / 2) is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. See
-// the value section below for the layout.
+// Values (accumulate_q4) are integer too, for every head_dim: per group, query i and block column
+// g, the weights w_t = p_t * scale_t become u8 on a grid of step = max_t p_t * max_t scale_t / 255
+// (over the group's tokens in range), and vpdpbusd sums them with the codes over token quads. The
+// codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
+// is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. (The layout
+// has no power-of-two condition on the block count any more: one column's set-up is the same at
+// any head_dim, and at head_dim <= 32 the int8 step is faster than the float one too.)
+//
+// The group layout (format.hpp) is made for these loops: a key channel quad is one 64-byte row
+// whose dword j holds the four channels' codes of tokens j (low nibbles) and j + 16 (high), so
+// vpdpbusd takes it as it is against four int8 query channels broadcast as a dword; a value token
+// quad of a column is one 64-byte row whose dword j holds channel byte j of the four tokens,
+// against the four tokens' u8 weights broadcast as a dword. Scales and minimums are contiguous
+// halves: over channels for keys, over the group's tokens per column for values.
+//
+// Measured on Zen 5 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
+// float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
+// cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
+// horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the
+// weights as u * us without a pass over p, the scores handed over in registers, the value
+// columns' scales prepared while the keys wait for their maxima, and the prefetch bookkeeping
+// kept to one check per two or four rows (it was a fifth of the instructions).
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -35,89 +51,21 @@
 namespace kvcache::kernels::avx512vnni {
 namespace {
 
-#include "row_prefetch.inl"
 #include "q4_int8.inl"
 
-// vpermb index that turns four 16-byte rows (one per 128-bit lane) into 16 dwords, dword t holding
-// byte t of each row: rows are channels (keys) or tokens (values).
 struct byte_index {
   alignas(64) std::uint8_t b[64];
 };
-constexpr byte_index make_transpose() {
-  byte_index x{};
-  for (int t = 0; t < 16; ++t)
-    for (int j = 0; j < 4; ++j) x.b[4 * t + j] = static_cast<std::uint8_t>(16 * j + t);
-  return x;
-}
-constexpr byte_index transpose = make_transpose();
-alignas(16) constexpr std::uint8_t zero_codes[16] = {};
 
-inline __mmask16 first(unsigned n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+// The first n (any) of 16 lanes.
+inline __mmask16 lanes_mask(unsigned n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
 
 // Lanes of 16-lane vector r below n.
 inline unsigned lanes(unsigned n, unsigned r) { return n <= 16 * r ? 0u : (n - 16 * r < 16 ? n - 16 * r : 16u); }
 
-#include "q4_headers.inl"
-
-// vpermt2b indices that bring the halves of the headers of 16 consecutive blocks (bytes 20 j and
-// 20 j + 2 of a 320-byte run) to words j (the scales) and 16 + j (the minimums), from bytes
-// [0, 128), [128, 256) and [256, 320) of the run.
-constexpr byte_index make_headers(int base) {
-  byte_index x{};
-  for (int o = 0; o < 64; ++o) {
-    const int j = (o / 2) % 16, at = 20 * j + (o >= 32 ? 2 : 0) + (o & 1) - base;
-    x.b[o] = static_cast<std::uint8_t>(at >= 0 && at < 128 ? at : 0);
-  }
-  return x;
-}
-constexpr byte_index headers_0 = make_headers(0), headers_128 = make_headers(128), headers_256 = make_headers(256);
-
-// Scales and minimums of 16 consecutive blocks b[0..16) (all present), without a gather.
-inline void consecutive_scale_min16(const q4_block* b, __m512& s, __m512& m) {
-  const auto* p = reinterpret_cast<const std::uint8_t*>(b);
-  const __m512i a = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(headers_0.b), _mm512_loadu_si512(p + 64));
-  const __m512i c = _mm512_permutex2var_epi8(_mm512_loadu_si512(p + 128), _mm512_load_si512(headers_128.b),
-                                             _mm512_loadu_si512(p + 192));
-  const __m512i d = _mm512_permutexvar_epi8(_mm512_load_si512(headers_256.b), _mm512_loadu_si512(p + 256));
-  // Blocks 0..6 from [0, 128) (block 6 ends at byte 124), 7..12 from [128, 256), 13..15 from
-  // [256, 320): words j and 16 + j of each.
-  __m512i sm = _mm512_mask_mov_epi16(a, __mmask32(0x1F801F80u), c);
-  sm = _mm512_mask_mov_epi16(sm, __mmask32(0xE000E000u), d);
-  s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
-  m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
-}
-
-// vpermt2b index for the codes of four consecutive blocks, from 128 bytes starting at the first
-// block's codes: dword t = byte t of each block's codes (codes of block j start 20 j bytes in).
-constexpr byte_index make_codes4() {
-  byte_index x{};
-  for (int t = 0; t < 16; ++t)
-    for (int j = 0; j < 4; ++j) x.b[4 * t + j] = static_cast<std::uint8_t>(20 * j + t);
-  return x;
-}
-constexpr byte_index codes_consecutive = make_codes4();
-
-// codes4 for four consecutive blocks b[0..4): the bytes [b[0].codes, +76) hold all their codes.
-inline void codes4_consecutive(const q4_block* b, __m512i& lo, __m512i& hi16) {
-  const auto* p = b[0].codes;
-  const __m512i x = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), _mm512_load_si512(codes_consecutive.b),
-                                             _mm512_maskz_loadu_epi8(__mmask64(0xFFF), p + 64));
-  lo = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
-  hi16 = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0xF0)));
-}
-
-// The codes of four blocks (not consecutive: the last channels of a head), transposed: dword t of
-// `lo` holds code t of the four blocks, of `hi16` code 16 + t times 16 (the high nibbles left in
-// place: one instruction less, and the unsigned operand of vpdpbusd takes them to 240).
-inline void codes4(const std::uint8_t* c0, const std::uint8_t* c1, const std::uint8_t* c2, const std::uint8_t* c3,
-                   __m512i& lo, __m512i& hi16) {
-  __m512i x = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0)));
-  x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c1)), 1);
-  x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c2)), 2);
-  x = _mm512_inserti32x4(x, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c3)), 3);
-  x = _mm512_permutexvar_epi8(_mm512_load_si512(transpose.b), x);
-  lo = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
-  hi16 = _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0xF0)));
+// n (<= 16) halves from p as floats, 0 past n (no byte read there).
+inline __m512 halves(const std::uint8_t* p, unsigned n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_mask(n), p));
 }
 
 // Rounding to integers by adding 1.5 * 2^23: a float of magnitude in [2^23, 2^24) has ulp 1, so
@@ -125,9 +73,6 @@ inline void codes4(const std::uint8_t* c0, const std::uint8_t* c1, const std::ui
 // and for |a * b| < 2^22 its low byte is that integer modulo 256: the int8 (or u8) value itself,
 // with no conversion and no packing.
 constexpr float round_magic = 12582912.0f;
-
-// Widest head the int8 key scores take (see scores_q4).
-constexpr std::uint32_t int8_key_channels = 16384;
 
 // vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order.
 constexpr byte_index make_low_bytes() {
@@ -152,15 +97,6 @@ inline std::int32_t dword_at(const void* p) {
   std::int32_t x;
   __builtin_memcpy(&x, p, sizeof x);
   return x;
-}
-
-// dpbusd with the signed operand the dword at p broadcast, as the instruction's memory operand.
-inline void dpbusd_b(__m512i& acc, __m512i u, const void* p) {
-#if defined(__GNUC__) && !defined(__clang__)
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*static_cast<const std::int32_t*>(p)));
-#else
-  acc = _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(dword_at(p)));
-#endif
 }
 
 // Function objects (not functions: through a function pointer GCC 12 neither inlined reduce4 nor
@@ -189,9 +125,18 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
-template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf) {
+// sc[i][r]: the scores of query i, tokens 16 r .. 16 r + 15 (all 32 of the group's lanes).
+// `between` runs after the first pass, where the horizontal maximum and the division that follow
+// leave the vector pipes idle: the caller's work that does not depend on the scores.
+struct nothing {
+  void operator()() const {}
+};
+template <unsigned NQ, class Between = nothing>
+__attribute__((always_inline)) inline void scores_of(const float* q, const std::uint8_t* k, unsigned hd,
+                                                     __m512 (&sc)[NQ][2], line_prefetch& pfr, Between between = {}) {
+  line_prefetch pf = pfr;
+  const std::uint8_t* ks = k + key_scales_at(hd);
+  const std::uint8_t* km = k + key_mins_at(hd);
   // Pass 1: the folded query x_d = q_d s_d (kept up to cached_channels), the largest |x_d| of
   // each query and sum_d q_d (m_d + 8 s_d) (the minimums, and the centring added back below).
   __m512 qmax[4], mterm[4];
@@ -201,19 +146,18 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
   const bool cached = hd <= cached_channels;
   for (unsigned c = 0; c < hd; c += 16) {
     const unsigned n = hd - c < 16 ? hd - c : 16;
-    __m512 s, m;
-    if (n == 16) consecutive_scale_min16(k + c, s, m);
-    else q4_scale_min16(k + c, 1, n, s, m);
+    const __m512 s = halves(ks + 2 * c, n), m = halves(km + 2 * c, n);
     const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) {
-      const __m512 qv = _mm512_maskz_loadu_ps(first(n), q + i * hd + c);
+      const __m512 qv = _mm512_maskz_loadu_ps(lanes_mask(n), q + i * hd + c);
       const __m512 x = _mm512_mul_ps(qv, s);
       if (cached) _mm512_store_ps(folded[i] + c, x);
       qmax[i] = _mm512_range_ps(qmax[i], x, 0x0B);  // max(|qmax|, |x|): imm 11 (larger |.|), 10 (sign cleared)
       mterm[i] = _mm512_fmadd_ps(qv, m8, mterm[i]);
     }
   }
+  between();
   // Lane 4 i: the scale of query i, max|x| / 127, and its inverse (0 where the folded query is all
   // zeros).
   alignas(64) float scale[16], inv[16];
@@ -224,14 +168,18 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
                                              _mm512_set1_ps(127.0f), mx));
   }
 
-  // Pass 2: Y of a chunk of channels, then the integer dot products over it.
-  __m512i acc[NQ][2], ysum[4];
+  // Pass 2: Y of a chunk of channels, then the integer dot products over it. Two sets of
+  // accumulators (even and odd channel quads) halve the chains of dependent vpdpbusd.
+  __m512i acc[2][NQ][2], ysum[4];
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+  for (unsigned i = 0; i < NQ; ++i) acc[0][i][0] = acc[0][i][1] = acc[1][i][0] = acc[1][i][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) ysum[i] = _mm512_setzero_si512();
   alignas(64) std::int8_t ys[NQ][key_chunk];
+  alignas(64) float base[16];
   const __m512i order = _mm512_load_si512(low_bytes.b);
+  std::uint32_t blocks = 0;  // of 32 channels: each adds round_magic's bits twice to every lane of ysum
+  const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     for (unsigned j = 0; j < nd; j += 32) {
@@ -241,12 +189,11 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
         const unsigned n = lanes(nd - j, r), c = c0 + j + 16 * r;
         if (cached) {
 #pragma GCC unroll 8
-          for (unsigned i = 0; i < NQ; ++i) x[i][r] = _mm512_maskz_load_ps(first(n), folded[i] + c);
+          for (unsigned i = 0; i < NQ; ++i) x[i][r] = _mm512_maskz_load_ps(lanes_mask(n), folded[i] + c);
         } else {
-          __m512 s = _mm512_setzero_ps(), m;
-          if (n > 0) q4_scale_min16(k + c, 1, n, s, m);
+          const __m512 s = n > 0 ? halves(ks + 2 * c, n) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-          for (unsigned i = 0; i < NQ; ++i) x[i][r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(first(n), q + i * hd + c), s);
+          for (unsigned i = 0; i < NQ; ++i) x[i][r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_mask(n), q + i * hd + c), s);
         }
       }
 #pragma GCC unroll 8
@@ -256,251 +203,310 @@ void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, 
         const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
         _mm256_store_si256(reinterpret_cast<__m256i*>(ys[i] + j),
                            _mm512_castsi512_si256(_mm512_permutex2var_epi8(y0, order, y1)));
+        // sum_d Y_d on the integer pipes: the bits of magic + Y are those of magic plus Y.
+        ysum[i] = _mm512_add_epi32(ysum[i], _mm512_add_epi32(y0, y1));
       }
+      ++blocks;
     }
-    // sum_d Y_d, 64 channels at a time (Y is 0 past nd up to the next multiple of 32).
-    const unsigned nd32 = (nd + 31) / 32 * 32;
-    for (unsigned j = 0; j < nd32; j += 64) {
-      const __mmask64 mk = nd32 - j >= 64 ? ~__mmask64(0) : __mmask64(0xFFFFFFFFu);
+    if (c0 + nd == hd) {
+      // The last chunk's Y are in: the scores' base, ahead of the dot products (which do not need
+      // it), score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
+      //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
+      // blocks * 2 * bits(round_magic), modulo 2^32 as the lanes' sums wrap (the sums of Y fit).
+      const __m512i magic_bits = _mm512_set1_epi32(static_cast<int>(blocks * 2u * 0x4B400000u));
+      __m512 b[4];
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < 4; ++i)  // sum_d Y_d exact in float: |sum| < 2^24
+        b[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ysum[i], magic_bits)),
+                                _mm512_set1_ps(8.0f * scale[4 * i]), mterm[i]);
+      _mm512_store_ps(base, reduce4(b, sum_of));
+    }
+    // The chunk's channel quads, each one 64-byte row: dword j = its four channels' codes of
+    // token j (low nibbles) and j + 16 (high nibbles, left in place: codes times 16). The last
+    // quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0 there.
+    const std::uint8_t* codes = k + std::size_t{16} * c0;
+    const unsigned quads = (nd + 3) / 4;
+    unsigned j = 0;
+    for (; j + 2 <= quads; j += 2) {
+      if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
+#pragma GCC unroll 2
+      for (unsigned u = 0; u < 2; ++u) {
+        const __m512i x = _mm512_loadu_si512(codes + 64 * (j + u));
+        const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) dpbusd(ysum[i], _mm512_set1_epi8(1), _mm512_maskz_loadu_epi8(mk, ys[i] + j));
-    }
-    for (unsigned c = 0; c < nd; c += 4) {
-      if (pf != nullptr) pf->rows(1);
-      const q4_block* b = k + c0 + c;
-      __m512i lo, hi16;
-      if (c + 4 <= nd) {
-        codes4_consecutive(b, lo, hi16);
-      } else {
-        codes4(b[0].codes, c + 1 < nd ? b[1].codes : zero_codes, c + 2 < nd ? b[2].codes : zero_codes,
-               c + 3 < nd ? b[3].codes : zero_codes, lo, hi16);
+        for (unsigned i = 0; i < NQ; ++i) {
+          const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * (j + u)));
+          dpbusd(acc[u][i][0], lo, yb);
+          dpbusd(acc[u][i][1], hi16, yb);
+        }
       }
+    }
+    if (j < quads) {
+      pf.rows(1);
+      const __m512i x = _mm512_loadu_si512(codes + 64 * j);
+      const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
-        dpbusd_b(acc[i][0], lo, ys[i] + c);
-        dpbusd_b(acc[i][1], hi16, ys[i] + c);
+        const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * j));
+        dpbusd(acc[0][i][0], lo, yb);
+        dpbusd(acc[0][i][1], hi16, yb);
       }
     }
-  }
-  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
-  //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
-  alignas(64) float ms[16], ym[16];
-  {
-    __m512 yf[4];
-#pragma GCC unroll 4
-    for (unsigned i = 0; i < 4; ++i) yf[i] = _mm512_cvtepi32_ps(ysum[i]);  // exact: |sum| < 2^24
-    _mm512_store_ps(ms, reduce4(mterm, sum_of));
-    _mm512_store_ps(ym, reduce4(yf, sum_of));
   }
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
-    const float sc = scale[4 * i];
-    const __m512 base = _mm512_set1_ps(ms[4 * i] - 8.0f * sc * ym[4 * i]);
+    const __m512 bs = _mm512_set1_ps(base[4 * i]);
     // Tokens 16..31 were summed with their codes times 16.
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r)
-      _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, first(lanes(tokens, r)),
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]), _mm512_set1_ps(r == 0 ? sc : sc * 0.0625f), base));
+      sc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][i][r], acc[1][i][r])),
+                                 _mm512_set1_ps(r == 0 ? scale[4 * i] : scale[4 * i] * 0.0625f), bs);
   }
+  pfr = pf;
+}
+
+template <unsigned NQ>
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  __m512 sc[NQ][2];
+  scores_of<NQ>(q, k, hd, sc, pf);
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i)
+#pragma GCC unroll 2
+    for (unsigned r = 0; r < 2; ++r) {
+      if (tokens == 32) _mm512_storeu_ps(out + i * out_stride + 16 * r, sc[i][r]);
+      else _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, lanes_mask(lanes(tokens, r)), sc[i][r]);
+    }
 }
 
 // ---- values: lanes = 16 channels of a block column, dot products over token quads --------------
 
-constexpr unsigned value_tile = 32;  // tokens per set-up
+constexpr unsigned value_columns = 4;  // block columns per set-up (one reduction tree)
 
-// vpermt2b indices that order the u8 weights of 64 consecutive blocks (block k = t * nb + g) by
-// dword (Q * nb + g) = tokens 4Q..4Q+3 of column g, from the low bytes of the dwords of four
-// 16-lane vectors (block k in lane k % 16 of vector k / 16): `lo` takes the bytes from vectors 0
-// and 1, `hi` from vectors 2 and 3, and `from_hi` marks the output bytes that come from `hi`.
-struct weight_permute {
-  byte_index lo, hi;
-  std::uint64_t from_hi;
-};
-constexpr weight_permute make_weight_permute(int nb) {
-  weight_permute x{};
-  for (int o = 0; o < 64; ++o) {
-    const int i = o & 3, g = (o >> 2) % nb, quad = (o >> 2) / nb;
-    const int k = (4 * quad + i) * nb + g, v = k >> 4;
-    const auto at = static_cast<std::uint8_t>(4 * (k & 15) + 64 * (v & 1));
-    if (v < 2) {
-      x.lo.b[o] = at;
-    } else {
-      x.hi.b[o] = at;
-      x.from_hi |= std::uint64_t{1} << o;
-    }
-  }
-  return x;
-}
-constexpr weight_permute weight_order[4] = {make_weight_permute(1), make_weight_permute(2), make_weight_permute(4),
-                                            make_weight_permute(8)};
-
-// What the set-up of a tile hands the integer loop, per query i (lanes / entries g = block column).
+// What the set-up of a batch of columns hands the integer loop, per query i and column c.
 template <unsigned NQ>
-struct value_tile_weights {
-  alignas(64) std::int32_t w[NQ][value_tile * 8 / 4];  // u8 weights: dword Q * nb + g, tokens 4Q..4Q+3
-  alignas(64) float step[NQ][16];                       // lane g: the grid step of column g's weights
-  alignas(64) float base[NQ][16];                       // lane g: sum_t p_t (m_t + 8 s_t) - 8 step sum_t w8_t
+struct column_weights {
+  alignas(64) std::uint8_t w[NQ][value_columns][32];  // u8 weights of the group's tokens: dword Q = tokens 4Q..4Q+3
+  alignas(64) float step[16];                          // lane 4 i + c: the grid step of the weights, over 16
+  alignas(64) float base[16];                          // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
 };
 
-// Set-up of one tile of nt (1..32) tokens, NB (2, 4, 8) blocks each: lanes of vector r are the
-// blocks k = 16 r + l = t * NB + g. Weights w = p s are quantized as round(p' s') with
-// p' = p * 255 / max p and s' = s / max_t s of the column, so every u8 weight is <= 255. The four
-// queries go side by side where they reduce (their maxima in one tree), and the weights are
-// rounded by fma with round_magic, their low bytes gathered by two vpermt2b.
-template <unsigned NQ, unsigned NB>
-void value_setup(const float* p, std::size_t p_stride, const q4_block* tile, unsigned nt, value_tile_weights<NQ>& out) {
-  constexpr unsigned R = 2 * NB;  // vectors of 16 blocks in a full tile
-  constexpr unsigned shift = NB == 1 ? 0 : NB == 2 ? 1 : NB == 4 ? 2 : 3;
-  const unsigned nk = nt * NB;
-  __m512 sn[R], m8[R], smax = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (unsigned r = 0; r < R; ++r) {
-    __m512 s, m;
-    if (16 * r + 16 <= nk) consecutive_scale_min16(tile + 16 * r, s, m);
-    else q4_consecutive_scale_min16(tile + 16 * r, nk > 16 * r ? nk - 16 * r : 0, s, m);
-    m8[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
-    sn[r] = s;
-    smax = _mm512_max_ps(smax, s);
-  }
-  const __m512 smax_g = q4_fold<NB>(smax, max_of);
-  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(smax_g, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                         _mm512_set1_ps(1.0f), smax_g);
-#pragma GCC unroll 16
-  for (unsigned r = 0; r < R; ++r) sn[r] = _mm512_mul_ps(sn[r], inv);
-
-  // Lane 4 i, per query: max_t p_t, the pre-scale `big` and the factor k, p' = p * big * k. Below
-  // 2^-100, p is scaled by 2^100 first (exact), since 255 / max p overflows below ~2^-120.
-  __m512 plo[NQ], phi[NQ], pm[4];
-#pragma GCC unroll 4
-  for (unsigned i = 0; i < 4; ++i) {
-    if (i < NQ) {
-      plo[i] = _mm512_maskz_loadu_ps(first(nt), p + i * p_stride);
-      phi[i] = _mm512_maskz_loadu_ps(first(nt > 16 ? nt - 16 : 0), p + i * p_stride + 16);
-      pm[i] = _mm512_max_ps(plo[i], phi[i]);
-    } else {
-      pm[i] = _mm512_setzero_ps();
-    }
-  }
-  alignas(64) float pmax[16], big[16], kf[16];
-  {
-    const __m512 mx = reduce4(pm, max_of);
-    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
-                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
-    _mm512_store_ps(pmax, mx);
-    _mm512_store_ps(big, b);
-    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                            _mm512_set1_ps(255.0f), _mm512_mul_ps(mx, b)));
-  }
-  const __m512i token_of_lane = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift);
-  const __m512i perm_lo = _mm512_load_si512(weight_order[shift].lo.b), perm_hi = _mm512_load_si512(weight_order[shift].hi.b);
-  const __mmask64 from_hi = weight_order[shift].from_hi;
-  const __m512 mg = _mm512_set1_ps(round_magic);
-  for (unsigned i = 0; i < NQ; ++i) {
-    const __m512 kb = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
-    const __m512 pl = _mm512_mul_ps(_mm512_mul_ps(plo[i], kb), k), ph = _mm512_mul_ps(_mm512_mul_ps(phi[i], kb), k);
-    __m512 bsum = _mm512_setzero_ps();
-    __m512i wsum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (unsigned c = 0; c < (R + 3) / 4; ++c) {
-      __m512i w8[4];
-#pragma GCC unroll 4
-      for (unsigned u = 0; u < 4; ++u) {
-        const unsigned r = 4 * c + u;
-        if (r < R) {
-          const __m512i idx = _mm512_add_epi32(token_of_lane, _mm512_set1_epi32(static_cast<int>((16 * r) >> shift)));
-          const __m512 pv = _mm512_permutex2var_ps(pl, idx, ph);  // p' of each block's token
-          w8[u] = _mm512_castps_si512(_mm512_fmadd_ps(pv, sn[r], mg));
-          bsum = _mm512_fmadd_ps(pv, m8[r], bsum);
-        } else {
-          w8[u] = _mm512_setzero_si512();
-        }
-      }
-      const __m512i wv = _mm512_mask_mov_epi8(_mm512_permutex2var_epi8(w8[0], perm_lo, w8[1]), from_hi,
-                                              _mm512_permutex2var_epi8(w8[2], perm_hi, w8[3]));
-      _mm512_store_si512(out.w[i] + 16 * c, wv);
-      dpbusd(wsum, wv, _mm512_set1_epi8(1));
-    }
-    const float step = pmax[4 * i] / 255.0f;
-    const __m512 st = _mm512_mul_ps(smax_g, _mm512_set1_ps(step));
-    _mm512_store_ps(out.step[i], st);
-    // base = step * sum p' (m + 8 s) - 8 * step_g * sum w8: the 8 s of the centred codes back.
-    const __m512 wsf = q4_fold<NB>(_mm512_cvtepi32_ps(wsum), sum_of);
-    _mm512_store_ps(out.base[i], _mm512_fmsub_ps(q4_fold<NB>(bsum, sum_of), _mm512_set1_ps(step),
-                                                 _mm512_mul_ps(_mm512_mul_ps(wsf, st), _mm512_set1_ps(8.0f))));
-  }
-}
-
-// acc[i][0..ch) of column g += the tile's sum_t p_t v_t: nt tokens from block b (stride nb blocks).
+// acc[i][0..ch) of one column += its share of sum_t p_t v_t, over token quads [q0, q1) of the
+// column's codes (a 64-byte row each: dword j = channel byte j of the quad's four tokens). The
+// codes enter centred and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for the high
+// nibbles (channels 16..31), the same of x << 4 for the low ones (channels 0..15).
 // Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
 template <unsigned NQ>
-__attribute__((noinline)) void value_column(const q4_block* b, std::size_t nb, unsigned nt, const std::int32_t* w,
-                                            std::size_t w_stride, unsigned ch, const float* step, const float* base,
-                                            std::size_t sb_stride, float* acc, std::size_t acc_stride, row_prefetch* pf) {
-  const __m512i tp = _mm512_load_si512(transpose.b);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+__attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned q0, unsigned q1, const std::uint8_t* w,
+                                            std::size_t w_stride, const float* step, const float* base,
+                                            std::size_t sb_stride, unsigned ch, float* acc, std::size_t acc_stride,
+                                            line_prefetch& pfr) {
+  line_prefetch pf = pfr;
+  const __m512i nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i a0[NQ], a1[NQ];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
-  auto quad = [&](__m512i x, unsigned q) __attribute__((always_inline)) {
-    if (pf != nullptr) pf->rows(1);
-    x = _mm512_permutexvar_epi8(tp, x);  // dword c: code byte c of the four tokens
-    const __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+  auto quad = [&](unsigned j) __attribute__((always_inline)) {
+    const __m512i x = _mm512_loadu_si512(codes + 64 * j);
+    // (a & b) ^ c: imm 0x6A.
+    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
+    const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) {
-      const __m512i wi = _mm512_set1_epi32(w[i * w_stride + q * nb]);
+      const __m512i wi = _mm512_set1_epi32(dword_at(w + i * w_stride + 4 * j));
       dpbusd(a0[i], wi, lo);
       dpbusd(a1[i], wi, hi);
     }
   };
-  // The code rows of the n (1..4) tokens from x, zeros past n: one row per 128-bit lane.
-  auto rows = [nb](const q4_block* x, unsigned n) __attribute__((always_inline)) {
-    auto row = [&](unsigned t) {
-      const std::uint8_t* c = t < n ? x[t * nb].codes : zero_codes;
-      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    };
-    __m512i r = _mm512_castsi128_si512(row(0));
-    r = _mm512_inserti32x4(r, row(1), 1);
-    r = _mm512_inserti32x4(r, row(2), 2);
-    return _mm512_inserti32x4(r, row(3), 3);
-  };
-  unsigned j = 0;
-  for (; j + 4 <= nt; j += 4, b += 4 * nb) quad(rows(b, 4), j / 4);
-  if (j < nt) quad(rows(b, nt - j), j / 4);
+  unsigned j = q0;
+  for (; j + 4 <= q1; j += 4) {
+    pf.rows(4);
+    quad(j);
+    quad(j + 1);
+    quad(j + 2);
+    quad(j + 3);
+  }
+  if (j < q1) pf.rows(q1 - j);
+  for (; j < q1; ++j) quad(j);
+  const __mmask16 m0 = lanes_mask(lanes(ch, 0)), m1 = lanes_mask(lanes(ch, 1));
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
     const __m512 st = _mm512_set1_ps(step[i * sb_stride]), bs = _mm512_set1_ps(base[i * sb_stride]);
     float* o = acc + i * acc_stride;
-    const __mmask16 m0 = first(lanes(ch, 0)), m1 = first(lanes(ch, 1));
     _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), st, bs)));
     _mm512_mask_storeu_ps(o + 16, m1,
                           _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), st, bs)));
   }
+  pfr = pf;
 }
 
-template <unsigned NQ, unsigned NB>
-void values_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc,
-               row_prefetch* pf) {
-  value_tile_weights<NQ> tw;
-  for (unsigned t0 = 0; t0 < tokens; t0 += value_tile) {
-    const unsigned nt = tokens - t0 < value_tile ? tokens - t0 : value_tile;
-    const q4_block* tile = v + static_cast<std::size_t>(t0) * NB;
-    value_setup<NQ, NB>(p + t0, p_stride, tile, nt, tw);
-    for (unsigned g = 0; g < NB; ++g) {
-      const unsigned ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
-      value_column<NQ>(tile + g, NB, nt, &tw.w[0][g], sizeof tw.w[0] / sizeof(std::int32_t), ch, &tw.step[0][g],
-                       &tw.base[0][g], 16, acc + 32 * g, hd, pf);
+// Lane 4 j + e of the result: the sum of all 16 lanes of x[4 e + j] (a transposing tree: 45
+// instructions for the 16 sums).
+__attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
+  __m512 a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (unsigned k = 0; k < 8; ++k)
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 4
+  for (unsigned k = 0; k < 4; ++k)
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (unsigned k = 0; k < 2; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// What a batch of columns' set-up takes from the scales and minimums alone (no weights): per
+// column c, the scales times 255 / max_t s and m + 8 s over the tokens in tm (0 elsewhere,
+// whatever is stored there), and max_t s (lane 4 c).
+struct column_scales {
+  alignas(64) float s[value_columns][32];
+  alignas(64) float m8[value_columns][32];
+  __m512 smax;
+};
+
+// Column g's scales (or minimums) of the tokens in tm, 0 elsewhere (whatever is stored there).
+__attribute__((always_inline)) inline void column_halves(const std::uint8_t* h, unsigned g, __mmask32 tm, __m512& lo,
+                                                         __m512& hi) {
+  lo = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g)));
+  hi = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm >> 16),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
+}
+
+// The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of value group v.
+__attribute__((always_inline)) inline void prepare_columns(const std::uint8_t* v, unsigned hd, __mmask32 tm, unsigned g0,
+                                                           unsigned nc, column_scales& cs) {
+  const std::uint8_t* scales = v + value_scales_at(hd);
+  const std::uint8_t* mins = v + value_mins_at(hd);
+  __m512 sl[4], sh[4], sm[4];
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    sm[c] = _mm512_setzero_ps();
+    if (c < nc) {
+      column_halves(scales, g0 + c, tm, sl[c], sh[c]);
+      sm[c] = _mm512_max_ps(sl[c], sh[c]);
+    }
+  }
+  cs.smax = reduce4(sm, max_of);
+  alignas(64) float sinv[16];
+  _mm512_store_ps(sinv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(cs.smax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(255.0f), cs.smax));
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    if (c < nc) {
+      __m512 ml, mh;
+      column_halves(mins, g0 + c, tm, ml, mh);
+      _mm512_store_ps(cs.m8[c], _mm512_fmadd_ps(sl[c], _mm512_set1_ps(8.0f), ml));
+      _mm512_store_ps(cs.m8[c] + 16, _mm512_fmadd_ps(sh[c], _mm512_set1_ps(8.0f), mh));
+      const __m512 si = _mm512_set1_ps(sinv[4 * c]);
+      _mm512_store_ps(cs.s[c], _mm512_mul_ps(sl[c], si));  // s 255 / max_t s
+      _mm512_store_ps(cs.s[c] + 16, _mm512_mul_ps(sh[c], si));
     }
   }
 }
 
+// acc[i][..] += sum_t p_t v_t over the tokens of one value group v whose lanes are set in tm (bit
+// t: token t), with p_t = u_t us_i: u_t of query i in lane t of ulo[i] (tokens 0..15) and uhi[i]
+// (16..31), 0 outside tm and at most 1 (up to rounding: the largest is about 1); us: lanes
+// 4 i .. 4 i + 3, the factor of query i. Token quads [q0, q1) cover tm. Per batch of columns: the
+// scales' maxima over the tokens in one tree, then per query and column the u8 weights
+// round(u s 255 / max_t s) (every one <= 255: p s on a grid of step = us max_t s / 255), and the
+// bases us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
 template <unsigned NQ>
-void values_nb(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd, float* acc,
-               row_prefetch* pf) {
-  switch (q4_value_blocks(hd)) {
-    case 2: values_nq<NQ, 2>(p, p_stride, v, tokens, hd, acc, pf); break;
-    case 4: values_nq<NQ, 4>(p, p_stride, v, tokens, hd, acc, pf); break;
-    default: values_nq<NQ, 8>(p, p_stride, v, tokens, hd, acc, pf); break;
+__attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], const __m512 (&uhi)[NQ], __m512 us,
+                                                     const std::uint8_t* v, __mmask32 tm, unsigned q0, unsigned q1,
+                                                     unsigned hd, float* acc, line_prefetch& pf,
+                                                     const column_scales* first = nullptr) {
+  const unsigned nb = value_blocks(hd);
+  const __m512 pm = _mm512_mul_ps(us, _mm512_set1_ps(1.0f / (255.0f * 16.0f)));  // step / max_t s, over 16
+  const __m512i order = _mm512_load_si512(low_bytes.b);
+  const __m512i group_lane = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+  const __m512 mg = _mm512_set1_ps(round_magic);
+  column_weights<NQ> cw;
+  column_scales own;
+  for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
+    const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
+    const column_scales* cs = g0 == 0 && first != nullptr ? first : &own;
+    if (cs == &own) prepare_columns(v, hd, tm, g0, nc, own);
+    __m512 bsum[16];
+#pragma GCC unroll 16
+    for (unsigned x = 0; x < 16; ++x) bsum[x] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (unsigned c = 0; c < 4; ++c) {
+      if (c < nc) {
+        const __m512 sl = _mm512_load_ps(cs->s[c]), sh = _mm512_load_ps(cs->s[c] + 16);
+        const __m512 m8l = _mm512_load_ps(cs->m8[c]), m8h = _mm512_load_ps(cs->m8[c] + 16);
+#pragma GCC unroll 4
+        for (unsigned i = 0; i < NQ; ++i) {
+          const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(ulo[i], sl, mg));
+          const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(uhi[i], sh, mg));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c]),
+                             _mm512_castsi512_si256(_mm512_permutex2var_epi8(w0, order, w1)));
+          bsum[4 * c + i] = _mm512_fmadd_ps(ulo[i], m8l, _mm512_mul_ps(uhi[i], m8h));
+        }
+      }
+    }
+    // Lane 4 i + c: the base and step of query i, column g0 + c.
+    _mm512_store_ps(cw.base, _mm512_mul_ps(sum16(bsum), us));
+    _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
+    for (unsigned c = 0; c < nc; ++c) {
+      const unsigned g = g0 + c, ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
+      value_column<NQ>(v + std::size_t{512} * g, q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, ch,
+                       acc + 32 * g, hd, pf);
+    }
   }
+}
+
+// Lane 4 i: the largest of plo[i], phi[i] (0 for i >= NQ).
+template <unsigned NQ>
+__attribute__((always_inline)) inline __m512 max_weights(const __m512 (&plo)[NQ], const __m512 (&phi)[NQ]) {
+  __m512 m[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) m[i] = i < NQ ? _mm512_max_ps(plo[i % NQ], phi[i % NQ]) : _mm512_setzero_ps();
+  return reduce4(m, max_of);
+}
+
+// accumulate_q4 for NQ (1..4) queries: tokens [first, first + n) of the group, the weights moved
+// to their tokens' lanes.
+template <unsigned NQ>
+void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, unsigned first, unsigned n, unsigned hd,
+                   float* acc, line_prefetch& pf) {
+  const unsigned end = first + n;
+  const __mmask32 tm = static_cast<__mmask32>((end >= 32 ? ~0u : (1u << end) - 1u) & ~((1u << first) - 1u));
+  const __m512i idx = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(static_cast<int>(first)));
+  const __m512i idx16 = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+  __m512 plo[NQ], phi[NQ];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    // p[r] of token first + r: loaded to lanes r (masked to n), then lane t takes lane t - first.
+    const __m512 a = _mm512_maskz_loadu_ps(lanes_mask(n), p + i * p_stride);
+    const __m512 b = _mm512_maskz_loadu_ps(lanes_mask(lanes(n, 1)), p + i * p_stride + 16);
+    plo[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm), a, idx, b);
+    phi[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm >> 16), a, idx16, b);
+  }
+  // u = p / max_t p. Below 2^-100, p is scaled by 2^100 first (exact), since 1 / max p overflows
+  // below ~2^-126.
+  const __m512 pmax = max_weights<NQ>(plo, phi);
+  alignas(64) float big[16], kf[16];
+  {
+    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
+                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
+    _mm512_store_ps(big, b);
+    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(1.0f), _mm512_mul_ps(pmax, b)));
+  }
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    const __m512 b = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
+    plo[i] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
+    phi[i] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
+  }
+  values_nq<NQ>(plo, phi, pmax, v, tm, first / 4, (end + 3) / 4, hd, acc, pf);
 }
 
 // ---- the online-softmax step over one group: scores, weights and values of four queries -------
@@ -511,50 +517,66 @@ using S = avx512_float_ops;
 // 2^x for x <= 0, as attend()'s softmax step computes it.
 #include "exp2_simd.inl"
 
-// table::attend_q4 for NQ (1..4) queries: the scores into a local tile, the softmax step with the
-// queries' maxima and sums each reduced in one tree, the weights back into the tile (where the
-// value set-up reads them from L1), and the values. Keys wider than int8_key_channels and values
-// of other than 2, 4 or 8 blocks a token go to the float kernels, as in scores_q4 and
-// accumulate_q4.
+// table::attend_q4 for NQ (1..4) queries: the scores in registers, the softmax step with the
+// queries' maxima and sums each reduced in one tree, and the values with the weights straight
+// from registers. Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
 template <unsigned NQ>
-void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned tokens, unsigned hd, float* run_max,
-               float* run_sum, float* acc, row_prefetch* pf) {
-  alignas(64) float w[NQ][value_tile];
-  if (hd <= int8_key_channels) scores_nq<NQ>(q, k, tokens, hd, &w[0][0], value_tile, pf);
-  else avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], value_tile, {});  // see scores_q4
-  const __mmask16 m0 = first(lanes(tokens, 0)), m1 = first(lanes(tokens, 1));
-  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, unsigned tokens, unsigned hd,
+               float* run_max, float* run_sum, float* acc, line_prefetch& pf) {
   __m512 s[NQ][2], mx[4];
+  const auto tm = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
+  const unsigned nb = value_blocks(hd);
+  column_scales first;  // the first batch of value columns, prepared while the keys wait
+  auto prepare = [&] { prepare_columns(v, hd, tm, 0, nb < value_columns ? nb : value_columns, first); };
+  if (hd <= int8_key_channels) {
+    scores_of<NQ>(q, k, hd, s, pf, prepare);
+  } else {  // see scores_q4
+    prepare();
+    alignas(64) float w[NQ][32];
+    avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], 32, {});
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < NQ; ++i) {
+      s[i][0] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 0)), w[i]);  // lanes past tokens: masked below
+      s[i][1] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 1)), w[i] + 16);
+    }
+  }
+  const __mmask16 m0 = lanes_mask(lanes(tokens, 0)), m1 = lanes_mask(lanes(tokens, 1));
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
     if (i < NQ) {
-      s[i][0] = _mm512_mask_load_ps(ninf, m0, w[i]);
-      s[i][1] = _mm512_mask_load_ps(ninf, m1, w[i] + 16);
+      s[i][0] = _mm512_mask_mov_ps(ninf, m0, s[i][0]);
+      s[i][1] = _mm512_mask_mov_ps(ninf, m1, s[i][1]);
       mx[i] = _mm512_max_ps(s[i][0], s[i][1]);
     } else {
       mx[i] = ninf;
     }
   }
   alignas(64) float tile_max[16];
-  _mm512_store_ps(tile_max, reduce4(mx, max_of));
+  const __m512 tmax = reduce4(mx, max_of);
+  _mm512_store_ps(tile_max, tmax);
+  // The weights w_t = 2^(s_t - m_new) as u_t us: u_t = 2^(s_t - tile max) (the top token's 1),
+  // us = 2^(tile max - m_new) (lanes 4 i ..).
+  const __m512 m_new_v = _mm512_max_ps(
+      tmax, _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
+                                  _mm512_maskz_loadu_ps(lanes_mask(NQ), run_max)));
+  const __m512 us = exp2_nonpositive(_mm512_sub_ps(tmax, m_new_v));
   float m_new[NQ];
-  __m512 sum[4];
+  __m512 ulo[NQ], uhi[NQ], sum[4];
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
     if (i < NQ) {
       m_new[i] = tile_max[4 * i] > run_max[i] ? tile_max[4 * i] : run_max[i];
-      const __m512 m = _mm512_set1_ps(m_new[i]);
-      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
-      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
-      _mm512_store_ps(w[i], p0);
-      _mm512_store_ps(w[i] + 16, p1);
-      sum[i] = _mm512_add_ps(p0, p1);
+      const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), tmax);
+      ulo[i] = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
+      uhi[i] = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
+      sum[i] = _mm512_add_ps(ulo[i], uhi[i]);
     } else {
       sum[i] = _mm512_setzero_ps();
     }
   }
   alignas(64) float total[16];
-  _mm512_store_ps(total, reduce4(sum, sum_of));
+  _mm512_store_ps(total, _mm512_mul_ps(reduce4(sum, sum_of), us));
 #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) {
     if (m_new[i] != run_max[i]) {
@@ -565,7 +587,7 @@ void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned to
       float* a = acc + static_cast<std::size_t>(i) * hd;
       const __m512 cv = _mm512_set1_ps(corr);
       for (unsigned d = 0; d < hd; d += 16) {
-        const __mmask16 md = first(hd - d);
+        const __mmask16 md = lanes_mask(hd - d);
         _mm512_mask_storeu_ps(a + d, md, _mm512_mul_ps(_mm512_maskz_loadu_ps(md, a + d), cv));
       }
       run_sum[i] *= corr;
@@ -573,61 +595,48 @@ void attend_nq(const float* q, const q4_block* k, const q4_block* v, unsigned to
     }
     run_sum[i] += total[4 * i];
   }
-  const unsigned nb = q4_value_blocks(hd);
-  if (nb == 2 || nb == 4 || nb == 8) values_nb<NQ>(&w[0][0], value_tile, v, tokens, hd, acc, pf);
-  else avx512::float_q4().accumulate_q4(&w[0][0], value_tile, NQ, v, tokens, hd, acc, {});  // see accumulate_q4
+  values_nq<NQ>(ulo, uhi, us, v, tm, 0, (tokens + 3) / 4, hd, acc, pf, &first);
 }
 
 }  // namespace
 
-void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens, std::uint32_t head_dim,
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
                float* out, std::size_t out_stride, prefetch_region pf) {
-  // The int32 sums of the high nibbles (codes times 16) take up to 4 * 240 * 128 per channel
-  // quad: past 2^14 channels they would near 2^31. Heads that wide get the float kernel.
-  if (head_dim > int8_key_channels) {
+  if (head_dim > int8_key_channels) {  // see int8_key_channels
     avx512::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
     return;
   }
   scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
 }
 
-
-void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v, std::uint32_t tokens,
-                   std::uint32_t head_dim, float* acc, prefetch_region pf) {
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
+                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
   if (tokens == 0) return;
-  const std::uint32_t nb = q4_value_blocks(head_dim);
-  if (nb != 2 && nb != 4 && nb != 8) {  // float: head_dim <= 32 (slower in int8: 2.2 vs 1.9 ns per token), 80, 96, 160, ..., > 256
-    avx512::float_q4().accumulate_q4(p, p_stride, nq, v, tokens, head_dim, acc, pf);
-    return;
-  }
-  row_prefetch rp(pf, nb * ((tokens + 3) / 4));  // per token quad of a column, in the first queries' pass
+  const std::uint32_t q0 = first / 4, q1 = (first + tokens + 3) / 4;
+  line_prefetch rp(pf, value_blocks(head_dim) * (q1 - q0)), none;  // per token quad of a column, in the first queries' pass
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* pi = p + i0 * p_stride;
     float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: values_nb<1>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
-      case 2: values_nb<2>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
-      case 3: values_nb<3>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
-      default: values_nb<4>(pi, p_stride, v, tokens, head_dim, a, i0 == 0 ? &rp : nullptr); break;
+      case 1: accumulate_nq<1>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      case 2: accumulate_nq<2>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      case 3: accumulate_nq<3>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      default: accumulate_nq<4>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
     }
   }
 }
 
-}  // namespace kvcache::kernels::avx512vnni
-
-namespace kvcache::kernels::avx512vnni {
-
-void attend_q4(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+void attend_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
   if (tokens == 0) return;
-  const std::uint32_t nb = q4_value_blocks(head_dim);
   // Spread over the channel quads of the first queries' scores and the token quads of their value
   // columns: all of it in the scores alone (three lines a quad) stalled them.
-  row_prefetch rp(pf, (head_dim + 3) / 4 + nb * ((tokens + 3) / 4));
+  line_prefetch rp(pf, key_channels(head_dim) / 4 + value_blocks(head_dim) * ((tokens + 3) / 4)), none;
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
     float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
       case 1: attend_nq<1>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
       case 2: attend_nq<2>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;

@@ -26,11 +26,12 @@ namespace scalar { const table& get() noexcept; }
 // The x86 tables: get() has the int8 Q4 key scores (kernels_avx2vnni.cpp on CPUs with AVX-VNNI,
 // kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI) where the CPU has them, float_q4()
 // always the float Q4 kernels.
-using scores_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+using scores_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                           std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
-using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
-                              std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
-using attend_q4_fn = void(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
+                              std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
+                              prefetch_region pf);
+using attend_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
                           std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf);
 #if defined(KVCACHE_HAVE_AVX2)
 namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }

@@ -19,8 +19,8 @@ struct V {
   static constexpr unsigned score_acc = 16;
   static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;
-  static constexpr unsigned q4_queries = 2;  // 8 accumulators per query + 8 decoded codes
-  static constexpr bool consecutive_headers = false;  // acc_q4_nq reads headers block by block
+  static constexpr unsigned q4_queries = 2;  // queries per Q4 kernel call (see q4_acc)
+  static constexpr unsigned q4_acc = 16;     // Q4 accumulators: 8 per query and set (+ 4 raw, 8 codes)
   using vf = float32x4_t;
   using vi = int32x4_t;
   using b16 = uint8x16_t;
@@ -71,7 +71,13 @@ struct V {
   // FMAXNM returns the number when c is NaN, so NaN clamps to 0 as in the scalar code.
   static vf clamp15(vf c) { return vminq_f32(vmaxnmq_f32(c, zero()), set1(15.0f)); }
   static vi cvtt(vf x) { return vcvtq_s32_f32(x); }  // rounds toward zero
-  static vi or_shl4(vi lo, vi hi) { return vorrq_s32(lo, vshlq_n_s32(hi, 4)); }
+  // lo | hi << S, per 32-bit lane.
+  template <unsigned S>
+  static vi or_shl(vi lo, vi hi) { return vorrq_s32(lo, vshlq_n_s32(hi, S)); }
+  static vi and_i(vi a, vi b) { return vandq_s32(a, b); }
+  // The 4 32-bit lanes at p, and back.
+  static vi load_i(const std::uint8_t* p) { return vreinterpretq_s32_u8(vld1q_u8(p)); }
+  static void store_i(std::uint8_t* p, vi x) { vst1q_u8(p, vreinterpretq_u8_s32(x)); }
   // 16 int32 (< 256) in four vectors -> 16 bytes in order.
   static b16 pack16(const vi* v) {
     const int16x8_t a = vcombine_s16(vmovn_s32(v[0]), vmovn_s32(v[1]));
@@ -81,8 +87,18 @@ struct V {
   static b16 load16(const std::uint8_t* p) { return vld1q_u8(p); }
   static void store16(std::uint8_t* p, b16 x) { vst1q_u8(p, x); }
   static b16 zero16() { return vdupq_n_u8(0); }
-  static b16 zip_lo(b16 a, b16 b) { return vzip1q_u8(a, b); }
-  static b16 zip_hi(b16 a, b16 b) { return vzip2q_u8(a, b); }
+  static b16 zip32_lo(b16 a, b16 b) {
+    return vreinterpretq_u8_u32(vzip1q_u32(vreinterpretq_u32_u8(a), vreinterpretq_u32_u8(b)));
+  }
+  static b16 zip32_hi(b16 a, b16 b) {
+    return vreinterpretq_u8_u32(vzip2q_u32(vreinterpretq_u32_u8(a), vreinterpretq_u32_u8(b)));
+  }
+  static b16 zip64_lo(b16 a, b16 b) {
+    return vreinterpretq_u8_u64(vzip1q_u64(vreinterpretq_u64_u8(a), vreinterpretq_u64_u8(b)));
+  }
+  static b16 zip64_hi(b16 a, b16 b) {
+    return vreinterpretq_u8_u64(vzip2q_u64(vreinterpretq_u64_u8(a), vreinterpretq_u64_u8(b)));
+  }
   static void widen(uint8x8_t b, vf* out) {
     const uint16x8_t w = vmovl_u8(b);
     out[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
@@ -96,6 +112,20 @@ struct V {
     widen(vget_low_u8(hi), out + 4);
     widen(vget_high_u8(hi), out + 6);
   }
+  // Floats of the 4 bits at S of each lane.
+  template <unsigned S>
+  static vf nibble(vi x) {
+    const uint32x4_t u = vreinterpretq_u32_s32(x);
+    if constexpr (S == 0) return vcvtq_f32_u32(vandq_u32(u, vdupq_n_u32(0x0f)));
+    else if constexpr (S == 28) return vcvtq_f32_u32(vshrq_n_u32(u, 28));
+    else return vcvtq_f32_u32(vandq_u32(vshrq_n_u32(u, S), vdupq_n_u32(0x0f)));
+  }
+  // Lanes j in [lo, hi) = p[j], the others 0 (all 4 readable; the others may hold anything).
+  static vf load_range(const half* p, unsigned lo, unsigned hi) {
+    const uint32x4_t j = {0, 1, 2, 3};
+    const uint32x4_t in = vandq_u32(vcgeq_u32(j, vdupq_n_u32(lo)), vcltq_u32(j, vdupq_n_u32(hi)));
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(load(p)), in));
+  }
   // Smallest half >= step (per lane): round to nearest, then one ulp up where that fell below.
   static vf scale_up(vf step, half* out) {
     uint16x4_t h = f2h(step);
@@ -107,15 +137,6 @@ struct V {
   static vf recip_or_zero(vf s) {
     const uint32x4_t pos = vcgtq_f32(s, zero());
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vdivq_f32(set1(1.0f), s)), pos));
-  }
-  static void scale_min(const q4_block* b, std::size_t stride, unsigned n, vf& s, vf& m) {
-    std::uint16_t sc[4] = {0, 0, 0, 0}, mn[4] = {0, 0, 0, 0};
-    for (unsigned j = 0; j < n; ++j) {
-      sc[j] = b[j * stride].scale.bits;
-      mn[j] = b[j * stride].min.bits;
-    }
-    s = h2f(vld1_u16(sc));
-    m = h2f(vld1_u16(mn));
   }
   static float f32_of(std::uint16_t h) { return vgetq_lane_f32(h2f(vdup_n_u16(h)), 0); }
 };

@@ -5,17 +5,19 @@
 // Nothing from the standard library or half.hpp is called here (their inline functions would be
 // emitted with the ISA's flags); f16 conversions go through the ISA's instructions.
 //
-// The interface V provides (W = lanes per float vector):
-//   vf, vi (W x int32), b16 (16 bytes); zero, set1, load/load_n/store/store_n for float and half
-//   (_n: first n lanes, 0 <= n <= W, zero-filled); add sub mul div fma(a,b,c)=a*b+c min max;
-//   hsum; reduce / reduce_min / reduce_max (v[W]) -> lane j = sum / min / max of v[j]; clamp15 (NaN -> 0); cvtt (truncate);
-//   or_shl4(lo, hi) = lo | hi << 4; pack16(vi[16/W]) -> 16 bytes; load16 store16 zero16 zip_lo
-//   zip_hi (interleave bytes, as punpcklbw/vzip1); decode32(b16, vf[32/W]) -> the 32 codes of a
-//   q4 block (low nibbles = elements 0..15, high = 16..31) as floats; scale_up(step, half out[W])
-//   -> smallest half >= step per lane (the Q4 scale); recip_or_zero(s) = s > 0 ? 1/s : 0;
-//   scale_min(b, stride, n, s, m): scales and minimums of the n (<= W) blocks b[j * stride] as
-//   floats (zero beyond n); f32_of(bits) converts one half; tuning constants score_queries, score_acc,
-//   acc_queries, acc_regs, q4_queries.
+// The interface V provides (W = lanes per float vector, 4, 8 or 16):
+//   vf, vi (W x int32), b16 (16 bytes); zero, zero_i, set1, load/load_n/store/store_n for float and
+//   half (_n: first n lanes, 0 <= n <= W, zero-filled); add sub mul div fma(a,b,c)=a*b+c min max;
+//   hsum; reduce / reduce_min / reduce_max (v[W]) -> lane j = sum / min / max of v[j]; clamp15
+//   (NaN -> 0); cvtt (truncate); on 32-bit lanes or_shl<S>(lo, hi) = lo | hi << S, and_i,
+//   load_i / store_i (W lanes at a byte address) and nibble<S>(x) -> floats of bits S..S+3 of each
+//   lane; pack16(vi[16/W]) -> 16 bytes; load16 store16 zero16; zip32_lo/hi, zip64_lo/hi
+//   (interleave 32- or 64-bit elements, as punpckldq/vzip1); decode32(b16, vf[32/W]) -> the codes of
+//   16 bytes as floats (low nibbles = elements 0..15, high = 16..31); load_range(half*, lo, hi) ->
+//   lanes [lo, hi) loaded, the others 0 (all W readable); scale_up(step, half out[W]) -> smallest
+//   half >= step per lane (the Q4 scale); recip_or_zero(s) = s > 0 ? 1/s : 0; f32_of(bits)
+//   converts one half; tuning constants score_queries, score_acc, acc_queries, acc_regs,
+//   q4_queries (queries per Q4 kernel pass) and q4_acc (registers for Q4 accumulators).
 
 using vf = V::vf;
 using vi = V::vi;
@@ -73,92 +75,102 @@ vi code_of(vf x, vf minf, vf inv) {
   return V::cvtt(V::add(V::clamp15(V::mul(V::sub(x, minf), inv)), V::set1(0.5f)));
 }
 
-// Value groups, W at a time: each group's min and max reduce horizontally (one transposing tree
-// for all W groups), then the scale/min parameters of the W groups are computed in one vector.
-// Group k of the batch is n[k] (1..32) contiguous halves at x[k].
-void quantize_value_batch(const half* const* x, const unsigned* n, unsigned count, q4_block* const* out) {
-  constexpr unsigned R = 32 / W;
+// 4x4 transpose of the 32-bit elements of r[0..4).
+void transpose4(b16* r) {
+  const b16 a0 = V::zip32_lo(r[0], r[1]), a1 = V::zip32_hi(r[0], r[1]);
+  const b16 a2 = V::zip32_lo(r[2], r[3]), a3 = V::zip32_hi(r[2], r[3]);
+  r[0] = V::zip64_lo(a0, a2);
+  r[1] = V::zip64_hi(a0, a2);
+  r[2] = V::zip64_lo(a1, a3);
+  r[3] = V::zip64_hi(a1, a3);
+}
+
+// Value tokens [0, W) of one block column: token k (k < count, the rest zero) is the n (1..32)
+// channels at src + k * stride. Each token's min and max reduce horizontally (one transposing
+// tree for all W tokens), the scale and min parameters of the W tokens are computed in one vector
+// and stored as W halves (the column's scales and minimums are contiguous over tokens), and the
+// codes of every 4 tokens go to one 64-byte token quad at codes + 64 (k / 4): 32-bit lane j of
+// the quad holds byte j (channel j | channel j + 16 << 4) of its tokens r at bits 8 r. keep:
+// those lanes' bits of channels below n.
+void quantize_value_tokens(const half* src, std::size_t stride, unsigned count, unsigned n, const vi* keep,
+                           std::uint8_t* codes, half* scales, half* mins) {
+  constexpr unsigned R = 32 / W, H = 16 / W;
   half pad[W][32];
-  const half* src[W];
+  const half* x[W];
   vf mnv[W], mxv[W];
   for (unsigned k = 0; k < W; ++k) {
-    if (k >= count) {
+    if (k >= count) {  // min 0, scale 0 and codes 0, as the format asks of missing tokens
       mnv[k] = mxv[k] = V::zero();
       continue;
     }
-    src[k] = x[k];
-    if (n[k] < 32) {  // pad with the first value: min and max unchanged; codes cleared below
-      for (unsigned j = 0; j < 32; ++j) pad[k][j] = j < n[k] ? x[k][j] : x[k][0];
-      src[k] = pad[k];
+    x[k] = src + k * stride;
+    if (n < 32) {  // pad with the first value: min and max unchanged; codes cleared below
+      for (unsigned j = 0; j < 32; ++j) pad[k][j] = j < n ? x[k][j] : x[k][0];
+      x[k] = pad[k];
     }
-    vf mn = V::load(src[k]), mx = mn;
+    vf mn = V::load(x[k]), mx = mn;
     for (unsigned r = 1; r < R; ++r) {
-      const vf v = V::load(src[k] + r * W);
+      const vf v = V::load(x[k] + r * W);
       mn = V::min(mn, v);
       mx = V::max(mx, v);
     }
     mnv[k] = mn;
     mxv[k] = mx;
   }
-  // Lane k: group k. Same arithmetic as the scalar reference (and quantize_keys16).
-  half scales[W], mins[W];
+  // Lane k: token k. Same arithmetic as the scalar reference (and quantize_keys16).
   alignas(64) float minf[W], inv[W];
   const vf mnk = V::add(V::reduce_min(mnv), V::zero());  // -0 -> +0
   V::store(mins, mnk);
   V::store(minf, mnk);
   const vf step = V::add(V::div(V::sub(V::reduce_max(mxv), mnk), V::set1(15.0f)), V::zero());
   V::store(inv, V::recip_or_zero(V::scale_up(step, scales)));
-  for (unsigned k = 0; k < count; ++k) {
+  // byte[k][h]: lanes j = h W.. of token k's bytes.
+  auto byte = [&](unsigned k, unsigned h) {
+    if (k >= count) return V::zero_i();
     const vf mf = V::set1(minf[k]), iv = V::set1(inv[k]);
-    vi c[R / 2];
-    for (unsigned r = 0; r < R / 2; ++r)
-      c[r] = V::or_shl4(code_of(V::load(src[k] + r * W), mf, iv), code_of(V::load(src[k] + (r + R / 2) * W), mf, iv));
-    q4_block& b = *out[k];
-    b.scale = scales[k];
-    b.min = mins[k];
-    V::store16(b.codes, V::pack16(c));
-    for (unsigned j = n[k]; j < 32; ++j) {
-      if (j < 16) b.codes[j] = static_cast<std::uint8_t>(b.codes[j] & 0xf0u);
-      else b.codes[j - 16] = static_cast<std::uint8_t>(b.codes[j - 16] & 0x0fu);
+    return V::template or_shl<4>(code_of(V::load(x[k] + h * W), mf, iv), code_of(V::load(x[k] + 16 + h * W), mf, iv));
+  };
+  for (unsigned u = 0; u < W / 4; ++u)
+    for (unsigned h = 0; h < H; ++h) {
+      const unsigned k = 4 * u;
+      vi q = V::template or_shl<8>(byte(k + 2, h), byte(k + 3, h));
+      q = V::template or_shl<8>(byte(k + 1, h), q);
+      q = V::template or_shl<8>(byte(k, h), q);
+      if (n < 32) q = V::and_i(q, keep[h]);  // padding channels (j >= n): code 0
+      V::store_i(codes + 64 * u + 4 * W * h, q);
     }
-  }
 }
 
 void quantize_values(const half* src, std::size_t src_stride, std::uint32_t tokens,
-                     std::uint32_t head_dim, q4_block* dst) {
+                     std::uint32_t head_dim, std::uint8_t* dst) {
+  constexpr unsigned H = 16 / W;
   const unsigned nb = (head_dim + 31u) / 32u;
-  const half* x[W];
-  unsigned n[W];
-  q4_block* out[W];
-  unsigned count = 0;
-  for (std::uint32_t t = 0; t < tokens; ++t)
-    for (unsigned g = 0; g < nb; ++g) {
-      x[count] = src + t * src_stride + g * 32u;
-      n[count] = umin(32u, head_dim - g * 32u);
-      out[count] = dst + t * nb + g;
-      if (++count == W) {
-        quantize_value_batch(x, n, count, out);
-        count = 0;
+  auto* scales = reinterpret_cast<half*>(dst + q4_value_scales_offset(head_dim));
+  auto* mins = reinterpret_cast<half*>(dst + q4_value_mins_offset(head_dim));
+  for (unsigned g = 0; g < nb; ++g) {
+    const unsigned n = umin(32u, head_dim - g * 32u);
+    alignas(64) std::uint32_t bits[16];  // per byte j: the nibbles of channels j, j + 16 below n
+    for (unsigned j = 0; j < 16; ++j) bits[j] = ((j < n ? 0x0fu : 0u) | (j + 16 < n ? 0xf0u : 0u)) * 0x01010101u;
+    vi keep[H];
+    for (unsigned h = 0; h < H; ++h) keep[h] = V::load_i(reinterpret_cast<const std::uint8_t*>(bits + h * W));
+    for (unsigned t0 = 0; t0 < 32; t0 += W) {
+      std::uint8_t* codes = dst + 512u * g + 16u * t0;  // token quad t0 / 4
+      if (t0 >= tokens) {  // no token here: codes, scales and minimums 0
+        __builtin_memset(codes, 0, 16u * W);
+        __builtin_memset(scales + 32u * g + t0, 0, 2u * W);
+        __builtin_memset(mins + 32u * g + t0, 0, 2u * W);
+        continue;
       }
+      quantize_value_tokens(src + t0 * src_stride + g * 32u, src_stride, umin(W, tokens - t0), n, keep, codes,
+                            scales + 32u * g + t0, mins + 32u * g + t0);
     }
-  if (count != 0) quantize_value_batch(x, n, count, out);
-}
-
-// In-register 16x16 byte transpose: four rounds of "interleave row i with row i + 8" rotate the
-// 8-bit (row, column) index left by one bit each, so after four rounds row and column swap.
-void transpose16(b16* m) {
-  for (int round = 0; round < 4; ++round) {
-    b16 t[16];
-    for (unsigned i = 0; i < 8; ++i) {
-      t[2 * i] = V::zip_lo(m[i], m[i + 8]);
-      t[2 * i + 1] = V::zip_hi(m[i], m[i + 8]);
-    }
-    for (unsigned i = 0; i < 16; ++i) m[i] = t[i];
   }
 }
 
-// Key groups of 16 channels: src [tokens][stride], all 16 channels readable; dst q4_block[16].
-void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, q4_block* dst) {
+// Key channels [0, 16) of a group: src [tokens][stride], all 16 channels readable; their 4
+// channel quads at codes (256 bytes), 16 scales and 16 minimums.
+void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, std::uint8_t* codes, half* scales,
+                     half* mins) {
   constexpr unsigned C = 16 / W;  // vectors per row of 16 channels
   vf mn[C], mx[C];
   for (unsigned c = 0; c < C; ++c) mn[c] = mx[c] = V::load(src + c * W);
@@ -168,15 +180,14 @@ void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, q4_bl
       mn[c] = V::min(mn[c], x);
       mx[c] = V::max(mx[c], x);
     }
-  half scales[16], mins[16];
   vf minf[C], inv[C];
   for (unsigned c = 0; c < C; ++c) {
-    minf[c] = V::add(mn[c], V::zero());  // -0 -> +0, as params_of
+    minf[c] = V::add(mn[c], V::zero());  // -0 -> +0, as the scalar fit
     V::store(mins + c * W, minf[c]);     // exact: minf is a half value
     const vf step = V::add(V::div(V::sub(mx[c], minf[c]), V::set1(15.0f)), V::zero());
     inv[c] = V::recip_or_zero(V::scale_up(step, scales + c * W));
   }
-  // rows[t]: byte d = code(token t, channel d) | code(token t + 16, channel d) << 4.
+  // rows[j]: byte c = code(token j, channel c) | code(token j + 16, channel c) << 4.
   b16 rows[16];
   for (unsigned t = 0; t < 16; ++t) {
     if (t >= tokens) {
@@ -188,84 +199,114 @@ void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, q4_bl
       const vi lo = code_of(V::load(src + t * stride + c * W), minf[c], inv[c]);
       const vi hi = t + 16 < tokens ? code_of(V::load(src + (t + 16) * stride + c * W), minf[c], inv[c])
                                     : V::zero_i();
-      comb[c] = V::or_shl4(lo, hi);
+      comb[c] = V::template or_shl<4>(lo, hi);
     }
     rows[t] = V::pack16(comb);
   }
-  transpose16(rows);
-  for (unsigned d = 0; d < 16; ++d) {
-    dst[d].scale = scales[d];
-    dst[d].min = mins[d];
-    V::store16(dst[d].codes, rows[d]);
+  // Quad q holds [j][c % 4]: its bytes 16 m..16 m + 15 are dword q of rows 4 m..4 m + 3.
+  for (unsigned m = 0; m < 4; ++m) {
+    transpose4(rows + 4 * m);
+    for (unsigned q = 0; q < 4; ++q) V::store16(codes + 64 * q + 16 * m, rows[4 * m + q]);
   }
 }
 
 void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens,
-                   std::uint32_t head_dim, q4_block* dst) {
+                   std::uint32_t head_dim, std::uint8_t* dst) {
   if (tokens == 0) return;
+  const unsigned ch = (head_dim + 3u) / 4u * 4u;  // q4_key_channels
+  auto* scales = reinterpret_cast<half*>(dst + q4_key_scales_offset(head_dim));
+  auto* mins = reinterpret_cast<half*>(dst + q4_key_mins_offset(head_dim));
   unsigned d = 0;
-  for (; d + 16 <= head_dim; d += 16) quantize_keys16(src + d, src_stride, tokens, dst + d);
-  if (d < head_dim) {  // ragged channel tail through a zero-padded copy
+  for (; d + 16 <= head_dim; d += 16) quantize_keys16(src + d, src_stride, tokens, dst + 16 * d, scales + d, mins + d);
+  if (d < head_dim) {  // ragged channel tail through a zero-padded copy (its padding: codes, scales, mins 0)
     const unsigned n = head_dim - d;
     half buf[32 * 16];  // [token][16 channels]
     for (unsigned t = 0; t < tokens; ++t)
       for (unsigned c = 0; c < 16; ++c) buf[t * 16 + c] = c < n ? src[t * src_stride + d + c] : half{0};
-    q4_block tmp[16];
-    quantize_keys16(buf, 16, tokens, tmp);
-    for (unsigned c = 0; c < n; ++c) dst[d + c] = tmp[c];
+    alignas(16) std::uint8_t codes[256];
+    half s[16], m[16];
+    quantize_keys16(buf, 16, tokens, codes, s, m);
+    __builtin_memcpy(dst + 16 * d, codes, 16 * (ch - d));  // the quads up to the padded width
+    __builtin_memcpy(scales + d, s, 2 * (ch - d));
+    __builtin_memcpy(mins + d, m, 2 * (ch - d));
   }
 }
 
 // ---- Q4 dequantization (exact: scale * code is exact in float, so fma equals mul + add) ---------
 
-void dequantize_keys(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim, float* dst,
+void dequantize_keys(const std::uint8_t* src, std::uint32_t tokens, std::uint32_t head_dim, float* dst,
                      std::size_t dst_stride) {
   constexpr unsigned C = 16 / W;
+  const auto* scales = reinterpret_cast<const half*>(src + q4_key_scales_offset(head_dim));
+  const auto* mins = reinterpret_cast<const half*>(src + q4_key_mins_offset(head_dim));
+  const unsigned low = umin(16u, tokens);  // tokens in the low nibbles
   for (unsigned d0 = 0; d0 < head_dim; d0 += 16) {
-    const unsigned n = umin(16u, head_dim - d0);
-    b16 rows[16];
-    half scales[16], mins[16];
-    for (unsigned d = 0; d < 16; ++d) {
-      rows[d] = d < n ? V::load16(src[d0 + d].codes) : V::zero16();
-      scales[d] = d < n ? src[d0 + d].scale : half{0};
-      mins[d] = d < n ? src[d0 + d].min : half{0};
-    }
-    transpose16(rows);
+    const unsigned n = umin(16u, head_dim - d0), quads = (n + 3) / 4;
     vf s[C], m[C];
     for (unsigned c = 0; c < C; ++c) {
-      s[c] = V::load(scales + c * W);
-      m[c] = V::load(mins + c * W);
+      s[c] = V::load_n(scales + d0 + c * W, lanes(n, c));
+      m[c] = V::load_n(mins + d0 + c * W, lanes(n, c));
     }
-    for (unsigned t = 0; t < 16 && t < tokens; ++t) {
-      vf code[2 * C];
-      V::decode32(rows[t], code);
-      for (unsigned c = 0; c < C; ++c)
-        V::store_n(dst + t * dst_stride + d0 + c * W, V::fma(s[c], code[c], m[c]), lanes(n, c));
-      if (t + 16 < tokens)
+    for (unsigned j0 = 0; j0 < low; j0 += 4) {
+      // Bytes 16 (j0 / 4).. of the (up to) 4 quads, transposed: rows[j] = tokens j0 + j and
+      // j0 + j + 16 over the 16 channels.
+      b16 rows[4];
+      for (unsigned q = 0; q < 4; ++q) rows[q] = q < quads ? V::load16(src + 16 * d0 + 64 * q + 4 * j0) : V::zero16();
+      transpose4(rows);
+      for (unsigned j = 0; j < 4 && j0 + j < low; ++j) {
+        const unsigned t = j0 + j;
+        vf code[2 * C];
+        V::decode32(rows[j], code);
         for (unsigned c = 0; c < C; ++c)
-          V::store_n(dst + (t + 16) * dst_stride + d0 + c * W, V::fma(s[c], code[C + c], m[c]), lanes(n, c));
+          V::store_n(dst + t * dst_stride + d0 + c * W, V::fma(s[c], code[c], m[c]), lanes(n, c));
+        if (t + 16 < tokens)
+          for (unsigned c = 0; c < C; ++c)
+            V::store_n(dst + (t + 16) * dst_stride + d0 + c * W, V::fma(s[c], code[C + c], m[c]), lanes(n, c));
+      }
     }
   }
 }
 
-void dequantize_values(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim, float* dst,
-                       std::size_t dst_stride) {
-  constexpr unsigned R = 32 / W;
-  const unsigned nb = (head_dim + 31u) / 32u;
-  for (std::uint32_t t = 0; t < tokens; ++t)
-    for (unsigned g = 0; g < nb; ++g) {
-      const q4_block& b = src[t * nb + g];
-      const unsigned n = umin(32u, head_dim - g * 32u);
-      const vf s = V::set1(V::f32_of(b.scale.bits)), m = V::set1(V::f32_of(b.min.bits));
-      vf code[R];
-      V::decode32(V::load16(b.codes), code);
-      float* out = dst + t * dst_stride + g * 32u;
-      for (unsigned r = 0; r < R; ++r) {
-        const unsigned k = lanes(n, r);
-        if (k == W) V::store(out + r * W, V::fma(s, code[r], m));
-        else V::store_n(out + r * W, V::fma(s, code[r], m), k);
-      }
+// Row r (token t = 4 u + r) of the value quad whose 32-bit lanes are raw[0..16 / W), lanes =
+// channels (see q4_row below): its n (1..32) floats min + scale * code to out + (t - first) *
+// stride, where t lies in [first, end).
+template <unsigned r>
+[[gnu::always_inline]] inline void dequantize_row(const vi* raw, const half* s, const half* m, unsigned n,
+                                                  unsigned u, unsigned first, unsigned end, float* out,
+                                                  std::size_t stride) {
+  constexpr unsigned H = 16 / W;
+  const unsigned t = 4 * u + r;
+  if (t < first || t >= end) return;  // another call's token, or none
+  out += (t - first) * stride;
+  const vf sv = V::set1(V::f32_of(s[t].bits)), mv = V::set1(V::f32_of(m[t].bits));
+#pragma GCC unroll 4
+  for (unsigned h = 0; h < 2 * H; ++h) {
+    const vf code = h < H ? V::template nibble<8 * r>(raw[h]) : V::template nibble<8 * r + 4>(raw[h - H]);
+    const unsigned k = lanes(n, h);
+    if (k == W) V::store(out + h * W, V::fma(sv, code, mv));
+    else if (k != 0) V::store_n(out + h * W, V::fma(sv, code, mv), k);
+  }
+}
+
+void dequantize_values(const std::uint8_t* src, std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim,
+                       float* dst, std::size_t dst_stride) {
+  constexpr unsigned H = 16 / W;
+  const unsigned nb = (head_dim + 31u) / 32u, end = first + tokens;
+  const auto* scales = reinterpret_cast<const half*>(src + q4_value_scales_offset(head_dim));
+  const auto* mins = reinterpret_cast<const half*>(src + q4_value_mins_offset(head_dim));
+  for (unsigned g = 0; g < nb; ++g) {
+    const unsigned n = umin(32u, head_dim - g * 32u);
+    float* out = dst + g * 32u;
+    for (unsigned u = first / 4; u * 4 < end; ++u) {  // token quads
+      vi raw[H];
+      for (unsigned h = 0; h < H; ++h) raw[h] = V::load_i(src + 512 * g + 64 * u + 4 * W * h);
+      const half *s = scales + 32 * g, *m = mins + 32 * g;
+      dequantize_row<0>(raw, s, m, n, u, first, end, out, dst_stride);
+      dequantize_row<1>(raw, s, m, n, u, first, end, out, dst_stride);
+      dequantize_row<2>(raw, s, m, n, u, first, end, out, dst_stride);
+      dequantize_row<3>(raw, s, m, n, u, first, end, out, dst_stride);
     }
+  }
 }
 
 // ---- dense scores: out[i][t] = q_i . k_t ----------------------------------------------------------
@@ -478,57 +519,121 @@ void accumulate_f32(const float* p, std::size_t p_stride, std::uint32_t nq, cons
   accumulate_dense(p, p_stride, nq, v, tokens, head_dim, acc, pf);
 }
 
-// ---- Q4 scores: lanes = the 32 tokens of the key group; scales folded into the query ------------
+// ---- Q4 scores and accumulate: float FMAs with lanes = the 32 elements j of a code quad ---------
+//
+// A key quad (4 channels) holds [token byte j][channel c % 4], a value quad (4 tokens of a block
+// column) [channel byte j][token t % 4]: both [j][r], element j in the low nibble and j + 16 in
+// the high one. Read as 32-bit lanes, lane j of the quad is byte j's 4 rows r, so shifting by
+// 8 r (+ 4 for the high nibble) and keeping 4 bits gives row r's codes with lanes = j: tokens of
+// key channel 4 u + r, or channels of value token 4 u + r. Each row then meets one broadcast
+// multiplier per query (folded query q_d * scale_d, or weight p_t * scale_t) in R = 32 / W FMAs,
+// straight into accumulators of the 32 results (token scores, or channel sums): no transposition
+// and no horizontal sums. Rows alternate over SETS sets of accumulators so that few queries still
+// have enough independent FMA chains.
 
+// Accumulator sets for NQ queries: as many (1, 2 or 4) as V::q4_acc accumulators hold.
 template <unsigned NQ>
-void scores_q4_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out,
+constexpr unsigned q4_sets = NQ * 4 * (32 / W) <= V::q4_acc ? 4 : NQ * 2 * (32 / W) <= V::q4_acc ? 2 : 1;
+
+// Row r of the quad whose 32-bit lanes are raw[0..16 / W): a[set r % SETS][i][c] +=
+// mul[i * MS + r] * code(row r, element c W + lane).
+template <unsigned NQ, unsigned MS, unsigned SETS, unsigned r>
+[[gnu::always_inline]] inline void q4_row(const vi* raw, const float* mul, vf* a) {
+  constexpr unsigned H = 16 / W, R = 32 / W;
+  vf code[R];
+#pragma GCC unroll 4
+  for (unsigned h = 0; h < H; ++h) {
+    code[h] = V::template nibble<8 * r>(raw[h]);
+    code[H + h] = V::template nibble<8 * r + 4>(raw[h]);
+  }
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    const vf b = V::set1(mul[i * MS + r]);
+#pragma GCC unroll 8
+    for (unsigned c = 0; c < R; ++c) a[((r % SETS) * NQ + i) * R + c] = V::fma(b, code[c], a[((r % SETS) * NQ + i) * R + c]);
+  }
+}
+
+// acc[i * R + c] (+)= the sum over `quads` quads u (64 bytes each, from codes) and their rows r
+// of mul[i * MS + 4 u + r] * code(u, r, element c W + lane): "=" where fresh. pf, if any,
+// advances a row per quad.
+template <unsigned NQ, unsigned MS>
+void q4_quads(const std::uint8_t* codes, unsigned quads, const float* mul, bool fresh, vf* acc, row_prefetch* pf) {
+  constexpr unsigned H = 16 / W, R = 32 / W, SETS = q4_sets<NQ>;
+  vf a[SETS * NQ * R];
+#pragma GCC unroll 32
+  for (unsigned j = 0; j < NQ * R; ++j) a[j] = fresh ? V::zero() : acc[j];
+#pragma GCC unroll 32
+  for (unsigned j = NQ * R; j < SETS * NQ * R; ++j) a[j] = V::zero();
+  for (unsigned u = 0; u < quads; ++u) {
+    if (pf != nullptr) pf->rows(1);
+    vi raw[H];
+#pragma GCC unroll 4
+    for (unsigned h = 0; h < H; ++h) raw[h] = V::load_i(codes + 64 * u + 4 * W * h);
+    const float* m = mul + 4 * u;
+    q4_row<NQ, MS, SETS, 0>(raw, m, a);
+    q4_row<NQ, MS, SETS, 1>(raw, m, a);
+    q4_row<NQ, MS, SETS, 2>(raw, m, a);
+    q4_row<NQ, MS, SETS, 3>(raw, m, a);
+  }
+#pragma GCC unroll 32
+  for (unsigned j = 0; j < NQ * R; ++j) {
+    vf x = a[j];
+#pragma GCC unroll 4
+    for (unsigned s = 1; s < SETS; ++s) x = V::add(x, a[s * NQ * R + j]);
+    acc[j] = x;
+  }
+}
+
+// Scores of NQ queries against the key group k: channels in chunks of DC folded (q_d * scale_d)
+// into qs, then their quads; the minimums' share sum_d q_d min_d is common to the tokens and
+// added at the end.
+template <unsigned NQ>
+void scores_q4_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out,
                   std::size_t out_stride, row_prefetch* pf) {
   constexpr unsigned R = 32 / W;
-  constexpr unsigned DC = 64;  // channels folded per pass
+  constexpr unsigned DC = 256;  // channels folded per chunk (a multiple of W and of 4)
+  const unsigned ch = (hd + 3u) / 4u * 4u;  // q4_key_channels
+  const auto* scales = reinterpret_cast<const half*>(k + q4_key_scales_offset(hd));
+  const auto* mins = reinterpret_cast<const half*>(k + q4_key_mins_offset(hd));
   vf acc[NQ * R], mc[NQ];
-#pragma GCC unroll 16
-  for (unsigned j = 0; j < NQ * R; ++j) acc[j] = V::zero();
+#pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) mc[i] = V::zero();
-  alignas(64) float qs[NQ][DC];  // folded query q_d * scale_d
-  for (unsigned d0 = 0; d0 < hd; d0 += DC) {
-    const unsigned nd = umin(DC, hd - d0);
+  alignas(64) float qs[NQ][DC];
+  for (unsigned d0 = 0; d0 < ch; d0 += DC) {
+    const unsigned nd = umin(DC, ch - d0);
     for (unsigned j = 0; j < nd; j += W) {
-      const unsigned n = umin(W, nd - j);
-      vf s, m;
-      V::scale_min(k + d0 + j, 1, n, s, m);
+      const unsigned n = hd > d0 + j ? umin(W, hd - d0 - j) : 0u;  // 0 past head_dim (padding channels)
+      const vf s = n == W ? V::load(scales + d0 + j) : V::load_n(scales + d0 + j, n);
+      const vf m = n == W ? V::load(mins + d0 + j) : V::load_n(mins + d0 + j, n);
+#pragma GCC unroll 8
       for (unsigned i = 0; i < NQ; ++i) {
-        const vf qv = V::load_n(q + i * hd + d0 + j, n);
+        const float* qi = q + i * hd + d0 + j;
+        const vf qv = n == W ? V::load(qi) : V::load_n(qi, n);
         V::store(qs[i] + j, V::mul(qv, s));
         mc[i] = V::fma(qv, m, mc[i]);
       }
     }
-    for (unsigned j = 0; j < nd; ++j) {
-      if (pf != nullptr) pf->rows(1);
-      vf code[R];
-      V::decode32(V::load16(k[d0 + j].codes), code);
-#pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) {
-        const vf b = V::set1(qs[i][j]);
-#pragma GCC unroll 8
-        for (unsigned r = 0; r < R; ++r) acc[i * R + r] = V::fma(b, code[r], acc[i * R + r]);
-      }
-    }
+    q4_quads<NQ, DC>(k + 16 * d0, nd / 4, qs[0], d0 == 0, acc, pf);
   }
+#pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
     const vf m = V::set1(V::hsum(mc[i]));
-    for (unsigned r = 0; r < R; ++r) {
-      const unsigned n = lanes(tokens, r);
-      if (n == W) V::store(out + i * out_stride + r * W, V::add(acc[i * R + r], m));
-      else if (n != 0) V::store_n(out + i * out_stride + r * W, V::add(acc[i * R + r], m), n);
+    for (unsigned c = 0; c < R; ++c) {
+      const unsigned n = lanes(tokens, c);
+      if (n == 0) break;
+      const vf x = V::add(acc[i * R + c], m);
+      if (n == W) V::store(out + i * out_stride + c * W, x);
+      else V::store_n(out + i * out_stride + c * W, x, n);
     }
   }
 }
 
-void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
   if (tokens == 0) return;
   constexpr unsigned QM = V::q4_queries;
-  row_prefetch rp(region, head_dim);  // a channel's codes per row, spread over the first queries' pass
+  row_prefetch rp(region, (head_dim + 3) / 4);  // a channel quad per row, over the first queries' pass
   for (unsigned i0 = 0; i0 < nq; i0 += QM) {
     const float* qi = q + std::size_t(i0) * head_dim;
     float* o = out + i0 * out_stride;
@@ -552,124 +657,67 @@ void scores_q4(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_
   }
 }
 
-// ---- Q4 accumulate: lanes = the 32 channels of a value block; p * scale precomputed per token
-// tile, p * min summed per (query, block) and added once --------------------------------------------
-
-// The same where V reads the headers of consecutive blocks (AVX-512) and the blocks per token, nb,
-// is a power of two <= 8: the set-up of a tile (weights p * scale, sums of p * min) runs over all
-// its blocks at once, lanes = blocks t * nb + g of W / nb tokens, rather than block by block with
-// strided header loads and a horizontal sum per query and block. The set-up was 40% of the Q4
-// value time at head_dim 128 (2.8 of 6.9 ns per token); the FMA loop is unchanged.
-template <unsigned NQ, class VV = V>
-void acc_q4_consecutive(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd,
-                        unsigned nb, float* acc, row_prefetch* pf) {
-  constexpr unsigned R = 32 / W;
-  const unsigned shift = nb == 1 ? 0u : nb == 2 ? 1u : nb == 4 ? 2u : 3u;
-  const unsigned per = W >> shift;  // tokens per vector of blocks
-  alignas(64) float ws[NQ][32 * 8];  // p * scale per block of the tile, [t * nb + g]
-  alignas(64) float pm[NQ][W];       // sum over the tile of p * min, [g]
-  for (unsigned t0 = 0; t0 < tokens; t0 += 32) {
-    const unsigned nt = umin(32u, tokens - t0);
-    const q4_block* tile = v + std::size_t(t0) * nb;
-    vf pmv[NQ];
-    for (unsigned i = 0; i < NQ; ++i) pmv[i] = V::zero();
-    for (unsigned k0 = 0; k0 < nt * nb; k0 += W) {
-      const unsigned tk = k0 >> shift;  // first token of these blocks
-      vf s, m;
-      VV::consecutive_scale_min(tile + k0, umin(W, nt * nb - k0), s, m);
-#pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) {
-        const vf pv = VV::spread(V::load_n(p + i * p_stride + t0 + tk, umin(per, nt - tk)), shift);
-        V::store(ws[i] + k0, V::mul(pv, s));
-        pmv[i] = V::fma(pv, m, pmv[i]);
-      }
-    }
-    for (unsigned i = 0; i < NQ; ++i) V::store(pm[i], VV::fold(pmv[i], nb));
-    for (unsigned g = 0; g < nb; ++g) {
-      const unsigned ch = umin(32u, hd - g * 32u);
-      vf a[NQ * R];
-#pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i)
-#pragma GCC unroll 8
-        for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::load_n(acc + i * hd + g * 32u + r * W, lanes(ch, r));
-      for (unsigned j = 0; j < nt; ++j) {
-        if (pf != nullptr) pf->rows(1);
-        vf code[R];
-        V::decode32(V::load16(tile[j * nb + g].codes), code);
-#pragma GCC unroll 8
-        for (unsigned i = 0; i < NQ; ++i) {
-          const vf b = V::set1(ws[i][j * nb + g]);
-#pragma GCC unroll 8
-          for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::fma(b, code[r], a[i * R + r]);
-        }
-      }
-      for (unsigned i = 0; i < NQ; ++i) {
-        const vf m = V::set1(pm[i][g]);
-        for (unsigned r = 0; r < R; ++r)
-          V::store_n(acc + i * hd + g * 32u + r * W, V::add(a[i * R + r], m), lanes(ch, r));
-      }
-    }
-  }
-}
-
+// Tokens [first, first + tokens) of the value group v for NQ queries, block column by column:
+// weights p_t * scale_t per token (0 for the other tokens of the quads read: their scales and
+// minimums are never loaded, their codes meet a zero weight), the token quads, then acc += the
+// channel sums plus sum_t p_t min_t.
 template <unsigned NQ>
-void acc_q4_nq(const float* p, std::size_t p_stride, const q4_block* v, unsigned tokens, unsigned hd,
-               float* acc, row_prefetch* pf) {
+void acc_q4_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, unsigned first, unsigned tokens,
+               unsigned hd, float* acc, row_prefetch* pf) {
   constexpr unsigned R = 32 / W;
-  const unsigned nb = (hd + 31u) / 32u;
-  if constexpr (V::consecutive_headers) {
-    if (nb <= 8 && (nb & (nb - 1)) == 0) {
-      acc_q4_consecutive<NQ>(p, p_stride, v, tokens, hd, nb, acc, pf);
-      return;
+  const unsigned nb = (hd + 31u) / 32u, end = first + tokens;
+  const auto* scales = reinterpret_cast<const half*>(v + q4_value_scales_offset(hd));
+  const auto* mins = reinterpret_cast<const half*>(v + q4_value_mins_offset(hd));
+  const unsigned u0 = first / 4, quads = (end + 3) / 4 - u0;  // the token quads read
+  const unsigned t0 = first / W * W;                          // the first vector of tokens
+  // Weights by token, p * scale: pw[i][t] = p[i][t - first] for t in [first, end), 0 for the
+  // other tokens of the vectors [t0, end) of tokens read.
+  alignas(64) float pw[NQ][32 + W], ws[NQ][32];
+  for (unsigned i = 0; i < NQ; ++i) {
+    V::store(pw[i] + t0, V::zero());
+    V::store(pw[i] + end, V::zero());
+    for (unsigned r = 0; r < tokens; r += W) {
+      const unsigned n = umin(W, tokens - r);
+      V::store_n(pw[i] + first + r, V::load_n(p + i * p_stride + r, n), n);
     }
   }
-  alignas(64) float ws[NQ][32];  // p * scale per token of the tile
-  for (unsigned t0 = 0; t0 < tokens; t0 += 32) {
-    const unsigned nt = umin(32u, tokens - t0);
-    for (unsigned g = 0; g < nb; ++g) {
-      vf pm[NQ];
-      for (unsigned i = 0; i < NQ; ++i) pm[i] = V::zero();
-      for (unsigned j = 0; j < nt; j += W) {
-        const unsigned n = umin(W, nt - j);
-        vf s, m;
-        V::scale_min(v + std::size_t(t0 + j) * nb + g, nb, n, s, m);
-        for (unsigned i = 0; i < NQ; ++i) {
-          const vf pv = V::load_n(p + i * p_stride + t0 + j, n);
-          V::store(ws[i] + j, V::mul(pv, s));
-          pm[i] = V::fma(pv, m, pm[i]);
-        }
-      }
-      const unsigned ch = umin(32u, hd - g * 32u);
-      vf a[NQ * R];
+  for (unsigned g = 0; g < nb; ++g) {
+    vf pm[NQ];
 #pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i)
+    for (unsigned i = 0; i < NQ; ++i) pm[i] = V::zero();
+    for (unsigned t = t0; t < end; t += W) {
+      const unsigned lo = first > t ? first - t : 0u, hi = umin(W, end - t);
+      const vf s = V::load_range(scales + 32 * g + t, lo, hi), m = V::load_range(mins + 32 * g + t, lo, hi);
 #pragma GCC unroll 8
-        for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::load_n(acc + i * hd + g * 32u + r * W, lanes(ch, r));
-      for (unsigned j = 0; j < nt; ++j) {
-        if (pf != nullptr) pf->rows(1);
-        vf code[R];
-        V::decode32(V::load16(v[(t0 + j) * nb + g].codes), code);
-#pragma GCC unroll 8
-        for (unsigned i = 0; i < NQ; ++i) {
-          const vf b = V::set1(ws[i][j]);
-#pragma GCC unroll 8
-          for (unsigned r = 0; r < R; ++r) a[i * R + r] = V::fma(b, code[r], a[i * R + r]);
-        }
-      }
       for (unsigned i = 0; i < NQ; ++i) {
-        const vf m = V::set1(V::hsum(pm[i]));
-        for (unsigned r = 0; r < R; ++r)
-          V::store_n(acc + i * hd + g * 32u + r * W, V::add(a[i * R + r], m), lanes(ch, r));
+        const vf w = V::load(pw[i] + t);
+        V::store(ws[i] + t, V::mul(w, s));
+        pm[i] = V::fma(w, m, pm[i]);
+      }
+    }
+    vf sums[NQ * R];
+    q4_quads<NQ, 32>(v + 512 * g + 64 * u0, quads, ws[0] + 4 * u0, true, sums, pf);
+    const unsigned n = umin(32u, hd - g * 32u);  // channels of this column
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const vf m = V::set1(V::hsum(pm[i]));
+      float* a = acc + i * hd + g * 32u;
+      for (unsigned c = 0; c < R; ++c) {
+        const unsigned k = lanes(n, c);
+        if (k == 0) break;
+        const vf x = V::add(sums[i * R + c], m);
+        if (k == W) V::store(a + c * W, V::add(V::load(a + c * W), x));
+        else V::store_n(a + c * W, V::add(V::load_n(a + c * W, k), x), k);
       }
     }
   }
 }
 
-void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region region) {
   if (tokens == 0) return;
   constexpr unsigned QM = V::q4_queries;
-  row_prefetch rp(region, tokens * ((head_dim + 31) / 32));  // a block per row
+  row_prefetch rp(region, ((first + tokens + 3) / 4 - first / 4) * ((head_dim + 31) / 32));  // a token quad per row
   for (unsigned i0 = 0; i0 < nq; i0 += QM) {
     const float* pi = p + i0 * p_stride;
     float* a = acc + std::size_t(i0) * head_dim;
@@ -677,18 +725,18 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
     row_prefetch* pf = i0 == 0 ? &rp : nullptr;
     if constexpr (QM >= 8) {
       switch (n) {
-        case 1: acc_q4_nq<1>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 2: acc_q4_nq<2>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 3: acc_q4_nq<3>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 4: acc_q4_nq<4>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 5: acc_q4_nq<5>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 6: acc_q4_nq<6>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        case 7: acc_q4_nq<7>(pi, p_stride, v, tokens, head_dim, a, pf); break;
-        default: acc_q4_nq<8>(pi, p_stride, v, tokens, head_dim, a, pf); break;
+        case 1: acc_q4_nq<1>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 2: acc_q4_nq<2>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 3: acc_q4_nq<3>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 4: acc_q4_nq<4>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 5: acc_q4_nq<5>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 6: acc_q4_nq<6>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        case 7: acc_q4_nq<7>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
+        default: acc_q4_nq<8>(pi, p_stride, v, first, tokens, head_dim, a, pf); break;
       }
     } else {
-      if (n == 1) acc_q4_nq<1>(pi, p_stride, v, tokens, head_dim, a, pf);
-      else acc_q4_nq<2>(pi, p_stride, v, tokens, head_dim, a, pf);
+      if (n == 1) acc_q4_nq<1>(pi, p_stride, v, first, tokens, head_dim, a, pf);
+      else acc_q4_nq<2>(pi, p_stride, v, first, tokens, head_dim, a, pf);
     }
   }
 }

@@ -1,4 +1,4 @@
-// The parts of the int8 Q4 key scores (kernels_avx2vnni.cpp, kernels_avx512vnni.cpp) that do not
+// The parts of the int8 Q4 kernels (kernels_avx2vnni.cpp, kernels_avx512vnni.cpp) that do not
 // depend on the vector width: included inside each file's anonymous namespace (see
 // kernels_internal.hpp).
 //
@@ -7,8 +7,56 @@
 // tokens, 8 scale sum_d (x_d / scale - Y_d), is added back (see kernels_avx512vnni.cpp). The
 // minimums enter once per query as sum_d q_d m_d.
 
-constexpr unsigned key_chunk = 256;        // channels transposed, folded and split per pass
-constexpr unsigned cached_channels = 256;  // key scales kept from pass 1 up to this head_dim
+constexpr unsigned key_chunk = 256;        // channels folded and split to int8 per pass
+constexpr unsigned cached_channels = 256;  // folded queries kept from pass 1 up to this head_dim
+
+// Widest head the int8 key scores take: the int32 sums of the high nibbles (codes times 16) take
+// up to 4 * 240 * 128 per channel quad, and past 2^14 channels they would near 2^31. Heads that
+// wide get the float kernel.
+constexpr std::uint32_t int8_key_channels = 16384;
+
+// The Q4 group layout of format.hpp (see there), computed here: this file is compiled with its
+// ISA's flags and must not instantiate the header's inline functions (kernels_internal.hpp).
+constexpr unsigned key_channels(unsigned hd) { return (hd + 3) / 4 * 4; }  // channels of whole quads
+constexpr unsigned value_blocks(unsigned hd) { return (hd + 31) / 32; }   // block columns
+// Key group: codes [C / 4][16][4] bytes (channel quad c / 4 at byte 16 c), scales [C], mins [C].
+constexpr std::size_t key_scales_at(unsigned hd) { return std::size_t{16} * key_channels(hd); }
+constexpr std::size_t key_mins_at(unsigned hd) { return std::size_t{18} * key_channels(hd); }
+// Value group: codes [B][8][16][4] bytes (column g at byte 512 g, token quad Q 64 Q further in),
+// scales [B][32], mins [B][32] (column g's 32 halves at byte 64 g of each).
+constexpr std::size_t value_scales_at(unsigned hd) { return std::size_t{512} * value_blocks(hd); }
+constexpr std::size_t value_mins_at(unsigned hd) { return std::size_t{576} * value_blocks(hd); }
+static_assert(key_scales_at(100) == q4_key_scales_offset(100) && key_mins_at(99) == q4_key_mins_offset(99) &&
+              value_scales_at(80) == q4_value_scales_offset(80) && value_mins_at(8) == q4_value_mins_offset(8));
+static_assert(q4_key_code_byte(6, 17) == 64 * 1 + 4 * 1 + 2 && q4_value_code_byte(6, 37) == 512 + 64 * 1 + 4 * 5 + 2,
+              "the int8 kernels read channel quads of keys and token quads of values as 64-byte rows");
+
+// The lines of a kernels::prefetch_region spread evenly over a kernel's rows of work (as
+// row_prefetch.inl does for the dense kernels): `rows` rows in all, lines / rows of them per row
+// (in fractions of a line, so that they run out with the last row). A value: the loops take a
+// copy that stays in registers and hand back what is left.
+struct line_prefetch {
+  std::uintptr_t at = 0, end = 0;  // the next line; the region's end
+  std::uintptr_t first = 0;        // the region's first line
+  std::uintptr_t step = 0;         // bytes of lines per row, times 256 (0: none)
+  std::uintptr_t due = 0;          // bytes from `first` due so far, times 256
+
+  line_prefetch() = default;
+  line_prefetch(prefetch_region r, unsigned rows) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(r.p);
+    at = first = begin & ~std::uintptr_t{63};  // the line of the first byte
+    end = begin + r.bytes;
+    const std::size_t lines = (end - at + 63) / 64;
+    step = r.bytes == 0 ? 0 : lines * 64 * 256 / (rows == 0 ? 1 : rows) + 1;
+  }
+  // The lines of n rows.
+  void rows(unsigned n) {
+    due += step * n;
+    const std::uintptr_t d = first + (due >> 8);
+    for (const std::uintptr_t e = d < end ? d : end; at < e; at += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  }
+};
 
 struct query_split {
   float scale;  // of the int8 values
@@ -22,19 +70,19 @@ inline query_split split_of(float max_abs, float min_term) {
 
 // Scores of NQ (1..4) queries over one key group: defined by the including file.
 template <unsigned NQ>
-void scores_nq(const float* q, const q4_block* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf);
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf);
 
-// The table entry (kernels::table::scores_q4): the queries four at a time.
-// pf is spread over the channel quads of the first four queries.
-inline void scores_q4_by_four(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+// The table entry (kernels::table::scores_q4) for head_dim <= int8_key_channels: the queries four
+// at a time. pf is spread over the channel quads of the first four queries.
+inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                               std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
   if (tokens == 0) return;
-  row_prefetch rp(pf, (head_dim + 3) / 4);
+  line_prefetch rp(pf, key_channels(head_dim) / 4), none;
   for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
     const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
     float* o = out + i0 * out_stride;
-    row_prefetch* f = i0 == 0 ? &rp : nullptr;
+    line_prefetch& f = i0 == 0 ? rp : none;
     switch (nq - i0 < 4 ? nq - i0 : 4) {
       case 1: scores_nq<1>(qi, k, tokens, head_dim, o, out_stride, f); break;
       case 2: scores_nq<2>(qi, k, tokens, head_dim, o, out_stride, f); break;

@@ -163,13 +163,11 @@ inline decoded_layer decode(const kvcache::layer_view& lv, const kvcache::geomet
       float* kd = out.k.data() + tok0 * tw + static_cast<std::size_t>(h) * g.head_dim;
       float* vd = out.v.data() + tok0 * tw + static_cast<std::size_t>(h) * g.head_dim;
       if (ch.k_format == kvcache::format::q4)
-        ref->dequantize_keys(reinterpret_cast<const kvcache::q4_block*>(ch.k_head(h)), ch.tokens, g.head_dim,
-                             kd, tw);
+        ref->dequantize_keys(reinterpret_cast<const std::uint8_t*>(ch.k_head(h)), ch.tokens, g.head_dim, kd, tw);
       else
         decode_dense(ch.k_format, ch.k_head(h), ch.tokens, g.head_dim, kd, tw);
       if (ch.v_format == kvcache::format::q4)
-        ref->dequantize_values(reinterpret_cast<const kvcache::q4_block*>(ch.v_head(h)), ch.tokens,
-                               g.head_dim, vd, tw);
+        ref->dequantize_values(reinterpret_cast<const std::uint8_t*>(ch.v_head(h)), 0, ch.tokens, g.head_dim, vd, tw);
       else
         decode_dense(ch.v_format, ch.v_head(h), ch.tokens, g.head_dim, vd, tw);
     }

@@ -23,7 +23,6 @@ using kvcache::chunk;
 using kvcache::format;
 using kvcache::half;
 using kvcache::layer_view;
-using kvcache::q4_block;
 
 /// One chunk to build: its tokens, formats, and the token capacity that sets its head stride.
 struct chunk_spec {
@@ -77,11 +76,11 @@ struct built_view {
 };
 
 inline std::size_t key_head_bytes(const chunk_spec& c, std::uint32_t hd) {
-  if (c.k_format == format::q4) return sizeof(q4_block) * hd + 20;  // + 20: strides need not be tight
+  if (c.k_format == format::q4) return kvcache::q4_key_group_bytes(hd) + 20;  // + 20: strides need not be tight
   return kvcache::dense_element_bytes(c.k_format) * c.capacity * hd;
 }
 inline std::size_t value_head_bytes(const chunk_spec& c, std::uint32_t hd) {
-  if (c.v_format == format::q4) return sizeof(q4_block) * kvcache::q4_value_blocks(hd) * c.capacity;
+  if (c.v_format == format::q4) return kvcache::q4_value_group_bytes(hd) + 2;
   return kvcache::dense_element_bytes(c.v_format) * c.capacity * hd;
 }
 
@@ -137,14 +136,24 @@ inline built_view build(const kv_data& data, const std::vector<chunk_spec>& spec
             }
           }
         if (f != format::q4 || s.tokens == 0) continue;
-        auto* q = reinterpret_cast<q4_block*>(dst);
+        auto* q = reinterpret_cast<std::uint8_t*>(dst);
         if (which == 0) {
           ref.quantize_keys(hrow.data(), D, s.tokens, D, q);
           ref.dequantize_keys(q, s.tokens, D, deq.data(), D);
         } else {
           ref.quantize_values(hrow.data(), D, s.tokens, D, q);
-          ref.dequantize_values(q, s.tokens, D, deq.data(), D);
-          (void)nb;
+          ref.dequantize_values(q, 0, s.tokens, D, deq.data(), D);
+          // Values of the group's unused tokens are unspecified (format.hpp): NaN scales and
+          // infinite minimums, so a kernel that lets them into a result (or a maximum) fails.
+          auto* sc = reinterpret_cast<half*>(q + kvcache::q4_value_scales_offset(D));
+          auto* mn = reinterpret_cast<half*>(q + kvcache::q4_value_mins_offset(D));
+          for (std::uint32_t t = s.tokens; t < kvcache::q4_group; ++t)
+            for (std::uint32_t g = 0; g < nb; ++g) {
+              sc[g * kvcache::q4_group + t] = half{static_cast<std::uint16_t>(t % 2 ? 0x7e00 : 0x7bff)};  // NaN, 65504
+              mn[g * kvcache::q4_group + t] = half{static_cast<std::uint16_t>(t % 2 ? 0xfc00 : 0x7c00)};  // -inf, +inf
+            }
+          for (std::size_t i = 0; i < kvcache::q4_value_scales_offset(D); ++i)
+            if ((i % 512) / 64 * 4 + i % 4 >= s.tokens) q[i] = 0xff;  // codes of unused tokens: 15
         }
         for (std::uint32_t t = 0; t < s.tokens; ++t)
           for (std::uint32_t d = 0; d < D; ++d)
@@ -293,7 +302,7 @@ std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) 
       const format fs[] = {format::f32, format::f16, format::q4};
       for (std::uint32_t t = 0; t < n;) {
         const format kf = fs[rng() % 3], vf = fs[rng() % 3];
-        const std::uint32_t most = kf == format::q4 ? 32 : 300;
+        const std::uint32_t most = kf == format::q4 || vf == format::q4 ? 32 : 300;  // a Q4 chunk is one group
         const std::uint32_t len = std::min<std::uint32_t>(n - t, static_cast<std::uint32_t>(rng() % most) + 1);
         r.push_back({len, kf, vf, len + static_cast<std::uint32_t>(rng() % 3)});
         if (rng() % 4 == 0) r.push_back({0, kf, vf, 0});
@@ -384,8 +393,8 @@ constexpr double arithmetic_tol = 2e-5;
 // worst seen 6.4e-3 of max|V| (head_dim 80, a short history); 1.5e-2 keeps a 2x margin.
 constexpr double int8_keys_tol = 1.5e-2;
 
-// The int8 Q4 value sums (kernels::q4_arith::int8: AVX-512 VNNI and VBMI, head_dim 33..64, 97..128,
-// 225..256) round each weight p_t * s_t of a 32-token tile to a u8 grid of max p * max s / 255:
+// The int8 Q4 value sums (kernels::q4_arith::int8: AVX-512 VNNI and VBMI, every head_dim) round
+// each weight p_t * s_t of a 32-token tile to a u8 grid of max p * max s / 255:
 // half a step times |code - 8| <= 8 is 0.0157 max p * max s per token, and max|V| >= 7.5 s of a
 // block, so a token carries at most 2.1e-3 of max|V| per unit of the tile's largest weight. A
 // few such tokens add up where attention is flat over a short history: worst seen 4.6e-3 here
@@ -397,16 +406,15 @@ constexpr double int8_values_tol = 1.5e-2;
 bool has_q4(pattern p) { return p == pattern::two_tier || p == pattern::q4_only || p == pattern::mixed; }
 
 // The tolerance of a case over the stored values, for the active kernels.
-bool int8_values(std::uint32_t head_dim) {
-  const std::uint32_t nb = kvcache::q4_value_blocks(head_dim);
-  return kvcache::kernels::active().q4_values == kvcache::kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+bool int8_values() {
+  return kvcache::kernels::active().q4_values == kvcache::kernels::q4_arith::int8;  // every head_dim
 }
 
 bool int8_keys() { return kvcache::kernels::active().q4 == kvcache::kernels::q4_arith::int8; }
 
-double tolerance(pattern p, std::uint32_t head_dim) {
+double tolerance(pattern p, std::uint32_t /*head_dim: every one has the same bounds*/) {
   if (!has_q4(p)) return arithmetic_tol;
-  if (int8_values(head_dim)) return int8_values_tol;
+  if (int8_values()) return int8_values_tol;
   return int8_keys() ? int8_keys_tol : arithmetic_tol;
 }
 
@@ -619,8 +627,9 @@ void decode_view(const layer_view& v, std::uint32_t H, std::uint32_t D, std::vec
           if (f == format::q4 && t % 32 == 0) {
             const std::uint32_t n = std::min<std::uint32_t>(32, c.tokens - t);
             tmp.resize(static_cast<std::size_t>(n) * D);
-            if (which == 0) ref.dequantize_keys(reinterpret_cast<const q4_block*>(src), n, D, tmp.data(), D);
-            else ref.dequantize_values(reinterpret_cast<const q4_block*>(src) + static_cast<std::size_t>(t) * kvcache::q4_value_blocks(D), n, D, tmp.data(), D);
+            // A Q4 chunk is one group (attend validates it): t == 0 here.
+            if (which == 0) ref.dequantize_keys(reinterpret_cast<const std::uint8_t*>(src), n, D, tmp.data(), D);
+            else ref.dequantize_values(reinterpret_cast<const std::uint8_t*>(src), t, n, D, tmp.data(), D);
           }
           for (std::uint32_t d = 0; d < D; ++d) {
             double x = 0.0;
@@ -732,7 +741,7 @@ TEST_P(attend_isa, over_every_real_cache) {
     tc.key_format = st.k;
     tc.value_format = st.v;
     auto cache = kvcache::two_tier_cache<>::create(tc).value();
-    const bool int8 = (st.v == format::q4 && int8_values(g.head_dim)) || (st.k == format::q4 && int8_keys());
+    const bool int8 = (st.v == format::q4 && int8_values()) || (st.k == format::q4 && int8_keys());
     check_cache(cache, st.what, st.tol, int8 ? int8_values_tol : arithmetic_tol);
   }
 }
@@ -856,6 +865,10 @@ TEST(attend, bad_shapes_get_typed_errors) {
   cs[0].tokens = 33;
   const layer_view big_q4{cs.data(), 2, 41};
   expect_error(ok, std::span(&big_q4, 1), q, out, errc::bad_shape, "tokens=33");
+  cs[0].k_format = format::f16;  // Q4 values alone: one group as well
+  cs[0].k_head_stride = 33 * 32 * sizeof(half);
+  const layer_view big_q4_values{cs.data(), 2, 41};
+  expect_error(ok, std::span(&big_q4_values, 1), q, out, errc::bad_shape, "tokens=33");
   cs = b.chunks;
   cs[0].k_format = static_cast<format>(9);
   const layer_view bad_format{cs.data(), 2, 40};

@@ -73,19 +73,19 @@ struct checked_attention {
       r[i] = how == holding::f32 ? x[i] : kvcache::to_float(kvcache::to_half(x[i]));
     const kvcache::kernels::table& kt = kvcache::kernels::active();
     std::vector<kvcache::half> src(32 * hd);
-    std::vector<kvcache::q4_block> q(32 * kvcache::q4_value_blocks(static_cast<std::uint32_t>(hd)) + hd);
+    const auto H = static_cast<std::uint32_t>(hd);
+    std::vector<std::uint8_t> q(std::max(kvcache::q4_key_group_bytes(H), kvcache::q4_value_group_bytes(H)));
     std::vector<float> deq(32 * hd);
     for (std::size_t g0 = 0; g0 < q4_tokens && g0 < n; g0 += 32)
       for (std::size_t h = 0; h < cfg.kv_heads; ++h) {
         for (std::size_t t = 0; t < 32; ++t)
           for (std::size_t d = 0; d < hd; ++d) src[t * hd + d] = kvcache::to_half(x[(g0 + t) * kv + h * hd + d]);
-        const auto H = static_cast<std::uint32_t>(hd);
         if (keys) {
           kt.quantize_keys(src.data(), hd, 32, H, q.data());
           kt.dequantize_keys(q.data(), 32, H, deq.data(), hd);
         } else {
           kt.quantize_values(src.data(), hd, 32, H, q.data());
-          kt.dequantize_values(q.data(), 32, H, deq.data(), hd);
+          kt.dequantize_values(q.data(), 0, 32, H, deq.data(), hd);
         }
         for (std::size_t t = 0; t < 32; ++t)
           for (std::size_t d = 0; d < hd; ++d) r[(g0 + t) * kv + h * hd + d] = deq[t * hd + d];

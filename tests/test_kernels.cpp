@@ -29,7 +29,6 @@ namespace {
 
 using kvcache::half;
 using kvcache::isa;
-using kvcache::q4_block;
 namespace kernels = kvcache::kernels;
 
 std::uint64_t test_seed() {
@@ -135,20 +134,51 @@ TEST_P(Kernels, F16ConversionsRaggedUnalignedRandomBits) {
 
 // ---- Q4 codecs -----------------------------------------------------------------------------------
 
-bool same_blocks(const std::vector<q4_block>& a, const std::vector<q4_block>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(q4_block)) == 0;
+// A Q4 group buffer (format.hpp) placed 2 bytes past a vector's start: 2-byte aligned, as groups
+// must be, and misaligned for every vector width; `fill` everywhere, so unwritten bytes show.
+struct group_buf {
+  std::vector<std::uint8_t> buf;
+  explicit group_buf(std::size_t bytes, std::uint8_t fill = 0) : buf(bytes + 2, fill) {}
+  std::uint8_t* data() { return buf.data() + 2; }
+  [[nodiscard]] const std::uint8_t* data() const { return buf.data() + 2; }
+  [[nodiscard]] std::size_t size() const { return buf.size() - 2; }
+};
+group_buf key_buf(std::uint32_t hd, std::uint8_t fill = 0) { return group_buf(kvcache::q4_key_group_bytes(hd), fill); }
+group_buf value_buf(std::uint32_t hd, std::uint8_t fill = 0) { return group_buf(kvcache::q4_value_group_bytes(hd), fill); }
+
+double key_scale(const std::uint8_t* g, std::uint32_t hd, std::uint32_t d) {
+  return kvcache::to_float(kvcache::q4_key_scales(g, hd)[d]);
+}
+double value_scale(const std::uint8_t* g, std::uint32_t hd, std::uint32_t t, std::uint32_t d) {
+  return kvcache::to_float(kvcache::q4_value_scales(g, hd)[d / 32 * 32 + t]);
+}
+// The stored key of channel d, token t (min + scale * code), and |scale * code| + |min| in *mag.
+double key_value(const std::uint8_t* g, std::uint32_t hd, std::uint32_t d, std::uint32_t t, double* mag) {
+  const double s = key_scale(g, hd, d), m = kvcache::to_float(kvcache::q4_key_mins(g, hd)[d]);
+  const double c = kvcache::q4_key_code(g, d, t);
+  *mag = std::abs(s * c) + std::abs(m);
+  return m + s * c;
+}
+double value_value(const std::uint8_t* g, std::uint32_t hd, std::uint32_t t, std::uint32_t d, double* mag) {
+  const double s = value_scale(g, hd, t, d), m = kvcache::to_float(kvcache::q4_value_mins(g, hd)[d / 32 * 32 + t]);
+  const double c = kvcache::q4_value_code(g, t, d);
+  *mag = std::abs(s * c) + std::abs(m);
+  return m + s * c;
 }
 
-std::string block_diff(const std::vector<q4_block>& a, const std::vector<q4_block>& b) {
+// Where two key or value groups differ first: the byte, and which part of the group holds it.
+std::string group_diff(const group_buf& a, const group_buf& b, std::uint32_t hd, bool values) {
+  const std::size_t scales = values ? kvcache::q4_value_scales_offset(hd) : kvcache::q4_key_scales_offset(hd);
+  const std::size_t mins = values ? kvcache::q4_value_mins_offset(hd) : kvcache::q4_key_mins_offset(hd);
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(q4_block)) != 0) {
-      std::ostringstream s;
-      s << "block " << i << ": scale " << a[i].scale.bits << " vs " << b[i].scale.bits << ", min "
-        << a[i].min.bits << " vs " << b[i].min.bits << ", codes";
-      for (std::uint32_t j = 0; j < 32; ++j) s << " " << int(kvcache::q4_code(a[i], j)) << "/" << int(kvcache::q4_code(b[i], j));
-      return s.str();
+    if (a.data()[i] != b.data()[i]) {
+      const char* part = i < scales ? "codes" : i < mins ? "scales" : "mins";
+      return cat("byte ", i, " (", part, "): ", int(a.data()[i]), " vs ", int(b.data()[i]));
     }
   return "none";
+}
+bool same_group(const group_buf& a, const group_buf& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
 // Head rows [tokens][stride] of halves, with channel-dependent spread, outlier channels, a
@@ -167,6 +197,40 @@ std::vector<half> make_rows(std::mt19937_64& rng, std::uint32_t tokens, std::uin
   return rows;
 }
 
+// The layout helpers of format.hpp against a direct reading of its layout description.
+TEST(Q4Layout, OffsetsAndSizes) {
+  EXPECT_EQ(kvcache::q4_key_channels(1), 4u);
+  EXPECT_EQ(kvcache::q4_key_channels(128), 128u);
+  EXPECT_EQ(kvcache::q4_key_group_bytes(128), 2560u);  // 5 bits per value, all-in
+  EXPECT_EQ(kvcache::q4_value_group_bytes(128), 2560u);
+  EXPECT_EQ(kvcache::q4_key_group_bytes(3), 80u);
+  EXPECT_EQ(kvcache::q4_value_group_bytes(33), 1280u);
+  EXPECT_EQ(kvcache::q4_key_scales_offset(100), 1600u);
+  EXPECT_EQ(kvcache::q4_key_mins_offset(100), 1800u);
+  EXPECT_EQ(kvcache::q4_value_scales_offset(100), 2048u);
+  EXPECT_EQ(kvcache::q4_value_mins_offset(100), 2304u);
+  // Keys: channel quad c / 4 of 64 bytes, byte j = token j % 16, channel c % 4 inside it.
+  EXPECT_EQ(kvcache::q4_key_code_byte(0, 0), 0u);
+  EXPECT_EQ(kvcache::q4_key_code_byte(3, 0), 3u);
+  EXPECT_EQ(kvcache::q4_key_code_byte(1, 5), 21u);
+  EXPECT_EQ(kvcache::q4_key_code_byte(1, 21), 21u);
+  EXPECT_EQ(kvcache::q4_key_code_byte(6, 15), 64u + 62u);
+  // Values: column c / 32 of 512 bytes, token quad t / 4 of 64, byte j = channel c % 16 of token t % 4.
+  EXPECT_EQ(kvcache::q4_value_code_byte(0, 0), 0u);
+  EXPECT_EQ(kvcache::q4_value_code_byte(3, 0), 3u);
+  EXPECT_EQ(kvcache::q4_value_code_byte(5, 2), 64u + 8u + 1u);
+  EXPECT_EQ(kvcache::q4_value_code_byte(5, 18), 64u + 8u + 1u);
+  EXPECT_EQ(kvcache::q4_value_code_byte(31, 33), 512u + 7u * 64u + 4u + 3u);
+  std::uint8_t g[64] = {};
+  g[21] = 0x9a;
+  EXPECT_EQ(kvcache::q4_key_code(g, 1, 5), 0xa);
+  EXPECT_EQ(kvcache::q4_key_code(g, 1, 21), 0x9);
+  g[9] = 0x5c;  // token 1: channel 2 in the low nibble, channel 18 in the high one
+  EXPECT_EQ(kvcache::q4_value_code_byte(1, 2), 9u);
+  EXPECT_EQ(kvcache::q4_value_code(g, 1, 2), 0xc);
+  EXPECT_EQ(kvcache::q4_value_code(g, 1, 18), 0x5);
+}
+
 TEST_P(Kernels, QuantizeKeysBitExactWithScalar) {
   KVCACHE_SEED_TRACE();
   for (std::uint32_t hd : head_dims)
@@ -174,12 +238,19 @@ TEST_P(Kernels, QuantizeKeysBitExactWithScalar) {
       SCOPED_TRACE(cat("head_dim=", hd, " tokens=", tokens));
       const std::size_t stride = hd + (tokens % 3) * 5;
       const std::vector<half> rows = make_rows(rng_, tokens, hd, stride);
-      std::vector<q4_block> got(hd + 1), want(hd + 1);
-      std::memset(got.data(), 0xab, got.size() * sizeof(q4_block));
-      std::memset(want.data(), 0xab, want.size() * sizeof(q4_block));
+      group_buf got = key_buf(hd, 0xab), want = key_buf(hd, 0xcd);  // every byte written: see below
       t_->quantize_keys(rows.data() + 1, stride, tokens, hd, got.data());
       ref_->quantize_keys(rows.data() + 1, stride, tokens, hd, want.data());
-      ASSERT_TRUE(same_blocks(got, want)) << block_diff(got, want);
+      ASSERT_TRUE(same_group(got, want)) << group_diff(got, want, hd, false);
+      ASSERT_EQ(got.buf[0], 0xab);
+      ASSERT_EQ(got.buf[1], 0xab);
+      // Codes of missing tokens and channels, scales and mins of padding channels: 0.
+      for (std::uint32_t d = 0; d < kvcache::q4_key_channels(hd); ++d)
+        for (std::uint32_t t = d < hd ? tokens : 0; t < 32; ++t) ASSERT_EQ(kvcache::q4_key_code(want.data(), d, t), 0) << d << " " << t;
+      for (std::uint32_t d = hd; d < kvcache::q4_key_channels(hd); ++d) {
+        ASSERT_EQ(kvcache::q4_key_scales(want.data(), hd)[d].bits, 0);
+        ASSERT_EQ(kvcache::q4_key_mins(want.data(), hd)[d].bits, 0);
+      }
       // Dequantize, bit-exact too (scale * code is exact), into a strided, unaligned buffer.
       const std::size_t ds = hd + 3;
       std::vector<float> out(tokens * ds + 2, -7.0f), out_ref(tokens * ds + 2, -7.0f);
@@ -192,22 +263,32 @@ TEST_P(Kernels, QuantizeKeysBitExactWithScalar) {
 TEST_P(Kernels, QuantizeValuesBitExactWithScalar) {
   KVCACHE_SEED_TRACE();
   for (std::uint32_t hd : head_dims)
-    for (std::uint32_t tokens : {1u, 2u, 3u, 7u, 16u, 31u, 32u, 33u, 70u}) {
+    for (std::uint32_t tokens : {1u, 2u, 3u, 4u, 5u, 7u, 16u, 17u, 31u, 32u}) {
       SCOPED_TRACE(cat("head_dim=", hd, " tokens=", tokens));
       const std::size_t stride = hd + (tokens % 2) * 9;
       const std::vector<half> rows = make_rows(rng_, tokens, hd, stride);
-      const std::uint32_t nb = kvcache::q4_value_blocks(hd);
-      std::vector<q4_block> got(tokens * nb + 1), want(tokens * nb + 1);
-      std::memset(got.data(), 0xcd, got.size() * sizeof(q4_block));
-      std::memset(want.data(), 0xcd, want.size() * sizeof(q4_block));
+      group_buf got = value_buf(hd, 0xab), want = value_buf(hd, 0xcd);
       t_->quantize_values(rows.data() + 1, stride, tokens, hd, got.data());
       ref_->quantize_values(rows.data() + 1, stride, tokens, hd, want.data());
-      ASSERT_TRUE(same_blocks(got, want)) << block_diff(got, want);
+      ASSERT_TRUE(same_group(got, want)) << group_diff(got, want, hd, true);
+      // Tokens past `tokens` and channels past head_dim: codes, scales and mins 0.
+      for (std::uint32_t t = 0; t < 32; ++t)
+        for (std::uint32_t d = t < tokens ? hd : 0; d < 32 * kvcache::q4_value_blocks(hd); ++d)
+          ASSERT_EQ(kvcache::q4_value_code(want.data(), t, d), 0) << t << " " << d;
+      for (std::uint32_t t = tokens; t < 32; ++t)
+        for (std::uint32_t g = 0; g < kvcache::q4_value_blocks(hd); ++g) {
+          ASSERT_EQ(kvcache::q4_value_scales(want.data(), hd)[g * 32 + t].bits, 0);
+          ASSERT_EQ(kvcache::q4_value_mins(want.data(), hd)[g * 32 + t].bits, 0);
+        }
+      // Dequantize any token range [first, first + n) of the group.
       const std::size_t ds = hd + 1;
-      std::vector<float> out(tokens * ds + 2, -7.0f), out_ref(tokens * ds + 2, -7.0f);
-      t_->dequantize_values(want.data(), tokens, hd, out.data() + 1, ds);
-      ref_->dequantize_values(want.data(), tokens, hd, out_ref.data() + 1, ds);
-      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f2u(out[i]), f2u(out_ref[i])) << "i=" << i;
+      for (std::uint32_t first : {0u, 1u, tokens / 2, tokens - 1}) {
+        const std::uint32_t n = tokens - first;
+        std::vector<float> out(n * ds + 2, -7.0f), out_ref(n * ds + 2, -7.0f);
+        t_->dequantize_values(want.data(), first, n, hd, out.data() + 1, ds);
+        ref_->dequantize_values(want.data(), first, n, hd, out_ref.data() + 1, ds);
+        for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f2u(out[i]), f2u(out_ref[i])) << "first=" << first << " i=" << i;
+      }
     }
 }
 
@@ -220,17 +301,17 @@ TEST_P(Kernels, Q4ErrorWithinHalfStepAndRms) {
   for (int rep = 0; rep < 8; ++rep) {
     const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
     const half* src = rows.data() + 1;
-    std::vector<q4_block> kb(hd), vb(tokens * kvcache::q4_value_blocks(hd));
+    group_buf kb = key_buf(hd), vb = value_buf(hd);
     t_->quantize_keys(src, hd, tokens, hd, kb.data());
     t_->quantize_values(src, hd, tokens, hd, vb.data());
     std::vector<float> kd(tokens * hd), vd(tokens * hd);
     t_->dequantize_keys(kb.data(), tokens, hd, kd.data(), hd);
-    t_->dequantize_values(vb.data(), tokens, hd, vd.data(), hd);
+    t_->dequantize_values(vb.data(), 0, tokens, hd, vd.data(), hd);
     for (std::uint32_t t = 0; t < tokens; ++t)
       for (std::uint32_t d = 0; d < hd; ++d) {
         const double x = kvcache::to_float(src[t * hd + d]);
-        const double ks = kvcache::to_float(kb[d].scale);
-        const double vs = kvcache::to_float(vb[t * kvcache::q4_value_blocks(hd) + d / 32].scale);
+        const double ks = key_scale(kb.data(), hd, d);
+        const double vs = value_scale(vb.data(), hd, t, d);
         const double ek = kd[t * hd + d] - x, ev = vd[t * hd + d] - x;
         ASSERT_LE(std::abs(ek), ks / 2 * (1 + 1e-6) + 1e-30) << "key t=" << t << " d=" << d << " x=" << x;
         ASSERT_LE(std::abs(ev), vs / 2 * (1 + 1e-6) + 1e-30) << "value t=" << t << " d=" << d << " x=" << x;
@@ -255,13 +336,13 @@ TEST_P(Kernels, Q4ConstantGroupRoundTripsExactly) {
     SCOPED_TRACE(cat("value=", c));
     const std::uint32_t hd = 40, tokens = 32;
     std::vector<half> rows(tokens * hd, kvcache::to_half(c));
-    std::vector<q4_block> kb(hd), vb(tokens * kvcache::q4_value_blocks(hd));
+    group_buf kb = key_buf(hd), vb = value_buf(hd);
     t_->quantize_keys(rows.data(), hd, tokens, hd, kb.data());
     t_->quantize_values(rows.data(), hd, tokens, hd, vb.data());
-    for (const q4_block& b : kb) EXPECT_EQ(kvcache::to_float(b.scale), 0.0f);
+    for (std::uint32_t d = 0; d < hd; ++d) EXPECT_EQ(key_scale(kb.data(), hd, d), 0.0);
     std::vector<float> kd(tokens * hd), vd(tokens * hd);
     t_->dequantize_keys(kb.data(), tokens, hd, kd.data(), hd);
-    t_->dequantize_values(vb.data(), tokens, hd, vd.data(), hd);
+    t_->dequantize_values(vb.data(), 0, tokens, hd, vd.data(), hd);
     const float want = kvcache::to_float(kvcache::to_half(c));
     for (std::size_t i = 0; i < kd.size(); ++i) {
       ASSERT_EQ(kd[i], want) << "key i=" << i;
@@ -276,22 +357,25 @@ TEST_P(Kernels, Q4InfinitiesMatchScalarAndNaNIsHarmless) {
   std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
   rows[1 + 5 * hd + 3] = half{0x7c00};   // +inf in key channel 3 / value group 0
   rows[1 + 9 * hd + 40] = half{0xfc00};  // -inf in key channel 40 / value group 1
-  std::vector<q4_block> kb(hd), kr(hd), vb(tokens * 2), vr(tokens * 2);
+  group_buf kb = key_buf(hd), kr = key_buf(hd), vb = value_buf(hd), vr = value_buf(hd);
   t_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());
   ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kr.data());
   t_->quantize_values(rows.data() + 1, hd, tokens, hd, vb.data());
   ref_->quantize_values(rows.data() + 1, hd, tokens, hd, vr.data());
-  EXPECT_TRUE(same_blocks(kb, kr)) << block_diff(kb, kr);
-  EXPECT_TRUE(same_blocks(vb, vr)) << block_diff(vb, vr);
-  // NaN inputs: codes are unspecified, but nothing else may change and the groups without NaN
+  EXPECT_TRUE(same_group(kb, kr)) << group_diff(kb, kr, hd, false);
+  EXPECT_TRUE(same_group(vb, vr)) << group_diff(vb, vr, hd, true);
+  // NaN inputs: codes are unspecified, but nothing else may change and the channels without NaN
   // must still match the scalar reference.
   rows[1 + 2 * hd + 7] = half{0x7e00};
   t_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());
   ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kr.data());
-  for (std::uint32_t d = 0; d < hd; ++d)
-    if (d != 7) {
-      EXPECT_EQ(std::memcmp(&kb[d], &kr[d], sizeof(q4_block)), 0) << "channel " << d;
-    }
+  for (std::uint32_t d = 0; d < hd; ++d) {
+    if (d == 7) continue;
+    for (std::uint32_t t = 0; t < 32; ++t)
+      ASSERT_EQ(kvcache::q4_key_code(kb.data(), d, t), kvcache::q4_key_code(kr.data(), d, t)) << "channel " << d;
+    ASSERT_EQ(kvcache::q4_key_scales(kb.data(), hd)[d].bits, kvcache::q4_key_scales(kr.data(), hd)[d].bits);
+    ASSERT_EQ(kvcache::q4_key_mins(kb.data(), hd)[d].bits, kvcache::q4_key_mins(kr.data(), hd)[d].bits);
+  }
 }
 
 // ---- attention primitives ------------------------------------------------------------------------
@@ -412,13 +496,6 @@ TEST_P(Kernels, AccumulateF32) {
   check_accumulate_dense<float>(*t_, rng_, false);
 }
 
-double code_value(const q4_block& b, std::uint32_t j, double* mag) {
-  const double s = kvcache::to_float(b.scale), m = kvcache::to_float(b.min);
-  const double c = kvcache::q4_code(b, j);
-  *mag = std::abs(s * c) + std::abs(m);
-  return m + s * c;
-}
-
 // The tables of this test's ISA, one per Q4 arithmetic it has here (AVX-512: float, and int8
 // where the CPU has VNNI and VBMI; AVX2: float, and int8 where it has AVX-VNNI).
 std::vector<const kernels::table*> q4_tables(isa i) {
@@ -448,24 +525,24 @@ TEST_P(Kernels, ScoresQ4) {
         const bool int8 = t->q4 == kernels::q4_arith::int8;
         SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " int8=", int8));
         const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
-        std::vector<q4_block> kb(hd + 1);
-        ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data() + 1);  // blocks unaligned too
+        group_buf kb = key_buf(hd);
+        ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());  // group misaligned too
         std::vector<float> q(nq * hd + 1);
         for (float& x : q) x = normal();
         const std::size_t os = 37;
         const float guard = -999.0f;
         std::vector<float> out(nq * os + 1, guard);
-        // With a prefetch region (another group's blocks, unaligned) the scores are bit-identical.
-        const std::vector<q4_block> next(hd + 2);
-        const kvcache::kernels::prefetch_region region{next.data() + 1, hd * sizeof(q4_block) + 3};
+        // With a prefetch region (another group, unaligned) the scores are bit-identical.
+        const group_buf next = key_buf(hd + 4);
+        const kvcache::kernels::prefetch_region region{next.data() + 1, kvcache::q4_key_group_bytes(hd) + 3};
         std::vector<float> out_pf(out.size(), guard);
-        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out.data(), os, {});
-        t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, out_pf.data(), os, region);
+        t->scores_q4(q.data() + 1, nq, kb.data(), tokens, hd, out.data(), os, {});
+        t->scores_q4(q.data() + 1, nq, kb.data(), tokens, hd, out_pf.data(), os, region);
         ASSERT_EQ(0, std::memcmp(out.data(), out_pf.data(), out.size() * sizeof(float))) << "prefetch changed the scores";
         for (std::uint32_t i = 0; i < nq; ++i) {
           double qmax = 0;  // max |q_d s_d|: the int8 split's operand
           for (std::uint32_t d = 0; d < hd; ++d)
-            qmax = std::max(qmax, std::abs(q[1 + i * hd + d] * static_cast<double>(kvcache::to_float(kb[1 + d].scale))));
+            qmax = std::max(qmax, std::abs(q[1 + i * hd + d] * key_scale(kb.data(), hd, d)));
           for (std::uint32_t tt = 0; tt < os; ++tt) {
             const float got = out[i * os + tt];
             if (tt >= tokens) {
@@ -475,11 +552,11 @@ TEST_P(Kernels, ScoresQ4) {
             double ref = 0, mag = 0, centred = 0, xsum = 0;
             for (std::uint32_t d = 0; d < hd; ++d) {
               double m;
-              const double kv = code_value(kb[1 + d], tt, &m);
+              const double kv = key_value(kb.data(), hd, d, tt, &m);
               ref += q[1 + i * hd + d] * kv;
               mag += std::abs(q[1 + i * hd + d]) * m;
-              centred += std::abs(kvcache::q4_code(kb[1 + d], tt) - 8);
-              xsum += std::abs(q[1 + i * hd + d] * static_cast<double>(kvcache::to_float(kb[1 + d].scale)));
+              centred += std::abs(kvcache::q4_key_code(kb.data(), d, tt) - 8);
+              xsum += std::abs(q[1 + i * hd + d] * key_scale(kb.data(), hd, d));
             }
             // The share added back is rounded in float too: 8 (hd + 2) eps sum |x|.
             const double int8_tol = qmax * int8_single * centred + 8.0 * (hd + 2) * eps32 * xsum;
@@ -495,52 +572,65 @@ TEST_P(Kernels, AccumulateQ4) {
   for (const kernels::table* t : q4_tables(GetParam()))
   for (std::uint32_t hd : head_dims)
     for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
-      for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 7u, 8u, 15u, 16u, 17u, 31u, 32u, 33u, 64u, 100u}) {
-        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " q4_arith=", static_cast<int>(t->q4)));
-        const std::uint32_t nb = kvcache::q4_value_blocks(hd);
-        const std::vector<half> rows = make_rows(rng_, tokens, hd, hd);
-        std::vector<q4_block> vb(tokens * nb + 1);
-        ref_->quantize_values(rows.data() + 1, hd, tokens, hd, vb.data() + 1);
-        const std::size_t ps = tokens + 1;
-        std::vector<float> p(nq * ps + 1);
-        for (float& x : p) x = std::abs(normal());
-        std::vector<float> acc(nq * hd + 2);
-        for (float& x : acc) x = normal();
-        const std::vector<float> acc0 = acc;
-        const std::vector<q4_block> next(tokens * nb + 2);  // prefetch region: see ScoresQ4
-        const kvcache::kernels::prefetch_region region{next.data() + 1, tokens * nb * sizeof(q4_block) + 3};
-        std::vector<float> acc_pf = acc;
-        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc.data() + 1, {});
-        t->accumulate_q4(p.data() + 1, ps, nq, vb.data() + 1, tokens, hd, acc_pf.data() + 1, region);
-        ASSERT_EQ(0, std::memcmp(acc.data(), acc_pf.data(), acc.size() * sizeof(float))) << "prefetch changed the sums";
-        ASSERT_EQ(acc[0], acc0[0]);
-        ASSERT_EQ(acc.back(), acc0.back());
-        // int8 values where the table has them at this head_dim (kernels.hpp, q4_arith::int8).
-        const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
-        for (std::uint32_t i = 0; i < nq; ++i)
-          for (std::uint32_t d = 0; d < hd; ++d) {
-            const q4_block* col = vb.data() + 1 + d / 32;  // block of channel d, token 0; stride nb
-            double ref = acc0[1 + i * hd + d], mag = std::abs(ref), weights = 0;
-            for (std::uint32_t t0 = 0; t0 < tokens; t0 += 32) {
-              // The int8 bound per tile of 32 tokens: u8 weights on a grid of max p * max scale / 255,
-              // each off by at most half a step (and a little float rounding), times |code - 8|.
+      for (std::uint32_t tokens : {0u, 1u, 2u, 3u, 4u, 7u, 8u, 15u, 16u, 17u, 31u, 32u})
+        for (std::uint32_t first : {0u, 1u, 3u, 4u, 13u}) {  // tokens [first, first + tokens) of the group
+          if (first + tokens > 32 || (first != 0 && nq % 4 == 0)) continue;
+          SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " first=", first, " q4_arith=",
+                           static_cast<int>(t->q4)));
+          const std::uint32_t nb = kvcache::q4_value_blocks(hd);
+          // A full group; the tokens outside [first, first + tokens) get garbage scales and minimums
+          // (NaN, infinities, huge values: a truncated token's may be anything), which must not
+          // reach the sums, not even multiplied by a zero weight.
+          const std::vector<half> rows = make_rows(rng_, 32, hd, hd);
+          group_buf vb = value_buf(hd);
+          ref_->quantize_values(rows.data() + 1, hd, 32, hd, vb.data());
+          auto* scales = reinterpret_cast<half*>(vb.data() + kvcache::q4_value_scales_offset(hd));
+          auto* mins = reinterpret_cast<half*>(vb.data() + kvcache::q4_value_mins_offset(hd));
+          for (std::uint32_t tt = 0; tt < 32; ++tt)
+            if (tt < first || tt >= first + tokens)
+              for (std::uint32_t g = 0; g < nb; ++g) {
+                const std::uint16_t garbage[] = {0x7e00, 0x7c00, 0xfc00, 0x7bff};  // NaN, +inf, -inf, 65504
+                scales[g * 32 + tt] = half{garbage[(tt + g) % 4]};
+                mins[g * 32 + tt] = half{garbage[(tt + g + 1) % 4]};
+              }
+          const std::size_t ps = tokens + 1;
+          std::vector<float> p(nq * ps + 1);
+          for (float& x : p) x = std::abs(normal());
+          std::vector<float> acc(nq * hd + 2);
+          for (float& x : acc) x = normal();
+          const std::vector<float> acc0 = acc;
+          const group_buf next = value_buf(hd + 32);  // prefetch region: see ScoresQ4
+          const kvcache::kernels::prefetch_region region{next.data() + 1, kvcache::q4_value_group_bytes(hd) + 3};
+          std::vector<float> acc_pf = acc;
+          t->accumulate_q4(p.data() + 1, ps, nq, vb.data(), first, tokens, hd, acc.data() + 1, {});
+          t->accumulate_q4(p.data() + 1, ps, nq, vb.data(), first, tokens, hd, acc_pf.data() + 1, region);
+          ASSERT_EQ(0, std::memcmp(acc.data(), acc_pf.data(), acc.size() * sizeof(float))) << "prefetch changed the sums";
+          ASSERT_EQ(acc[0], acc0[0]);
+          ASSERT_EQ(acc.back(), acc0.back());
+          // int8 values where the table has them (every head_dim: kernels.hpp, q4_arith::int8).
+          const bool int8 = t->q4_values == kernels::q4_arith::int8;
+          for (std::uint32_t i = 0; i < nq; ++i)
+            for (std::uint32_t d = 0; d < hd; ++d) {
+              double ref = acc0[1 + i * hd + d], mag = std::abs(ref);
+              // The int8 bound: u8 weights on a grid of max p * max scale / 255, each off by at
+              // most half a step (and a little float rounding), times |code - 8|.
               double pmax = 0, smax = 0, centred = 0;
-              for (std::uint32_t tt = t0; tt < std::min(tokens, t0 + 32); ++tt) {
+              for (std::uint32_t r = 0; r < tokens; ++r) {
+                const std::uint32_t tt = first + r;
                 double m;
-                const double vv = code_value(col[tt * nb], d % 32, &m);
-                const double pt = p[1 + i * ps + tt], st = kvcache::to_float(col[tt * nb].scale);
+                const double vv = value_value(vb.data(), hd, tt, d, &m);
+                const double pt = p[1 + i * ps + r], st = value_scale(vb.data(), hd, tt, d);
                 ref += pt * vv;
                 mag += pt * (m + 16.0 * st);  // int8: also |s (c - 8)| and |m + 8 s|
                 pmax = std::max(pmax, pt);
                 smax = std::max(smax, st);
-                centred += std::abs(kvcache::q4_code(col[tt * nb], d % 32) - 8.0);
+                centred += std::abs(kvcache::q4_value_code(vb.data(), tt, d) - 8.0);
               }
-              weights += (0.5 + 1e-4) * pmax * smax / 255.0 * centred;
+              const double weights = (0.5 + 1e-4) * pmax * smax / 255.0 * centred;
+              const double tol = 3.0 * (tokens + 2) * eps32 * mag + (int8 ? weights : 0.0) + 1e-30;
+              ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
             }
-            const double tol = 3.0 * (tokens + 2) * eps32 * mag + (int8 ? weights : 0.0) + 1e-30;
-            ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
-          }
-      }
+        }
 }
 
 // The fused online-softmax step over one Q4 group (table::attend_q4, where a table has one)
@@ -561,15 +651,15 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
           for (int state = 0; state < 3; ++state) {  // first group; max grows; max stays
             if (hd > 4096 && (nq != 2 || tokens != 32 || state != 1)) continue;
             SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " state=", state));
-            const std::uint32_t nb = kvcache::q4_value_blocks(hd);
-            const std::vector<half> krows = make_rows(rng_, tokens, hd, hd), vrows = make_rows(rng_, tokens, hd, hd);
-            std::vector<q4_block> kb(hd + 1), vb(tokens * nb + 1);
-            ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kb.data() + 1);
-            ref_->quantize_values(vrows.data() + 1, hd, tokens, hd, vb.data() + 1);
+            const std::vector<half> krows = make_rows(rng_, tokens, hd, hd), vrows = make_rows(rng_, 32, hd, hd);
+            group_buf kb = key_buf(hd), vb = value_buf(hd);
+            ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kb.data());
+            // Values of all 32 tokens: those past `tokens` are stale and must not count.
+            ref_->quantize_values(vrows.data() + 1, hd, 32, hd, vb.data());
             std::vector<float> q(nq * hd + 1);
             for (float& x : q) x = normal();
             std::vector<float> s(nq * 32);
-            t->scores_q4(q.data() + 1, nq, kb.data() + 1, tokens, hd, s.data(), 32, {});
+            t->scores_q4(q.data() + 1, nq, kb.data(), tokens, hd, s.data(), 32, {});
             std::vector<float> run_max(nq + 2), run_sum(nq + 2), acc(nq * hd + 2);
             for (std::uint32_t i = 0; i < nq; ++i) {
               const float top = *std::max_element(s.begin() + i * 32, s.begin() + i * 32 + tokens);
@@ -578,13 +668,13 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
             }
             for (std::uint32_t j = 0; j < nq * hd; ++j) acc[1 + j] = state == 0 ? 0.0f : normal();
             const std::vector<float> max0 = run_max, sum0 = run_sum, acc0 = acc;
-            t->attend_q4(q.data() + 1, nq, kb.data() + 1, vb.data() + 1, tokens, hd, run_max.data() + 1,
-                         run_sum.data() + 1, acc.data() + 1, {});
+            t->attend_q4(q.data() + 1, nq, kb.data(), vb.data(), tokens, hd, run_max.data() + 1, run_sum.data() + 1,
+                         acc.data() + 1, {});
             ASSERT_EQ(run_max[0], max0[0]);
             ASSERT_EQ(run_max.back(), max0.back());
             ASSERT_EQ(acc[0], acc0[0]);
             ASSERT_EQ(acc.back(), acc0.back());
-            const bool int8 = t->q4_values == kernels::q4_arith::int8 && (nb == 2 || nb == 4 || nb == 8);
+            const bool int8 = t->q4_values == kernels::q4_arith::int8;
             for (std::uint32_t i = 0; i < nq; ++i) {
               const float* si = s.data() + i * 32;
               const float top = *std::max_element(si, si + tokens);
@@ -598,15 +688,15 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
               ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-5 * want_sum) << "i=" << i;
               const double wmax = *std::max_element(w.begin(), w.end());
               for (std::uint32_t d = 0; d < hd; ++d) {
-                const q4_block* col = vb.data() + 1 + d / 32;
                 double ref = acc0[1 + i * hd + d] * corr, mag = std::abs(ref), smax = 0, centred = 0;
                 for (std::uint32_t tt = 0; tt < tokens; ++tt) {
                   double cm;
-                  const double vv = code_value(col[tt * nb], d % 32, &cm);
+                  const double vv = value_value(vb.data(), hd, tt, d, &cm);
+                  const double st = value_scale(vb.data(), hd, tt, d);
                   ref += w[tt] * vv;
-                  mag += w[tt] * (cm + 16.0 * kvcache::to_float(col[tt * nb].scale));
-                  smax = std::max<double>(smax, kvcache::to_float(col[tt * nb].scale));
-                  centred += std::abs(kvcache::q4_code(col[tt * nb], d % 32) - 8.0);
+                  mag += w[tt] * (cm + 16.0 * st);
+                  smax = std::max(smax, st);
+                  centred += std::abs(kvcache::q4_value_code(vb.data(), tt, d) - 8.0);
                 }
                 // The weights carry the polynomial exp2's error (~1e-6 relative) besides rounding.
                 const double tol = 1e-5 * mag + (int8 ? (0.5 + 1e-4) * wmax * smax / 255.0 * centred : 0.0) + 1e-30;

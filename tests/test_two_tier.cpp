@@ -29,7 +29,6 @@ using kvcache::format;
 using kvcache::geometry;
 using kvcache::half;
 using kvcache::layer_view;
-using kvcache::q4_block;
 using kvcache::seq_id;
 using kvcache::two_tier_cache;
 using kvcache::two_tier_config;
@@ -104,10 +103,9 @@ void expect_error(const R& r, errc code, const std::vector<std::string>& words) 
 
 /// Bytes of one chunk's K and V for every head, as stored (codes, scales, minimums included).
 std::vector<std::uint8_t> raw_bytes(const chunk& ch, const geometry& g) {
-  const std::size_t nb = kvcache::q4_value_blocks(g.head_dim);
-  const std::size_t kb = ch.k_format == format::q4 ? g.head_dim * sizeof(q4_block)
+  const std::size_t kb = ch.k_format == format::q4 ? kvcache::q4_key_group_bytes(g.head_dim)
                                                    : std::size_t{ch.tokens} * g.head_dim * sizeof(half);
-  const std::size_t vb = ch.v_format == format::q4 ? std::size_t{ch.tokens} * nb * sizeof(q4_block)
+  const std::size_t vb = ch.v_format == format::q4 ? kvcache::q4_value_group_bytes(g.head_dim)
                                                    : std::size_t{ch.tokens} * g.head_dim * sizeof(half);
   std::vector<std::uint8_t> out;
   for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
@@ -259,8 +257,8 @@ TEST(two_tier, migration_follows_the_tail_rule_and_views_list_groups_then_tail) 
             EXPECT_EQ(lv[i].tokens, 32u);
             EXPECT_EQ(lv[i].k_format, format::q4);
             EXPECT_EQ(lv[i].v_format, format::q4);
-            EXPECT_EQ(lv[i].k_head_stride, g.head_dim * sizeof(q4_block));
-            EXPECT_EQ(lv[i].v_head_stride, 32 * kvcache::q4_value_blocks(g.head_dim) * sizeof(q4_block));
+            EXPECT_EQ(lv[i].k_head_stride, kvcache::q4_key_group_bytes(g.head_dim));
+            EXPECT_EQ(lv[i].v_head_stride, kvcache::q4_value_group_bytes(g.head_dim));
           } else {
             EXPECT_GT(lv[i].tokens, 0u);
             EXPECT_EQ(lv[i].k_format, format::f16);
@@ -297,7 +295,6 @@ TEST(two_tier, store_groups_are_the_kernels_quantization_and_never_change) {
   ASSERT_EQ(c.info(m.id).value().store_groups, 1u);
   const kvcache::kernels::table& kt = kvcache::kernels::active();
   const std::size_t tw = g.token_width();
-  const std::uint32_t nb = kvcache::q4_value_blocks(g.head_dim);
   std::vector<std::vector<std::uint8_t>> first_group;
   for (std::uint32_t l = 0; l < g.layers; ++l) {
     const chunk ch = c.view(m.id, l).value()[0];
@@ -309,11 +306,11 @@ TEST(two_tier, store_groups_are_the_kernels_quantization_and_never_change) {
           k16[t * g.head_dim + d] = kvcache::to_half(m.k[l][t * tw + h * g.head_dim + d]);
           v16[t * g.head_dim + d] = kvcache::to_half(m.v[l][t * tw + h * g.head_dim + d]);
         }
-      std::vector<q4_block> kq(g.head_dim), vq(32 * nb);
+      std::vector<std::uint8_t> kq(kvcache::q4_key_group_bytes(g.head_dim)), vq(kvcache::q4_value_group_bytes(g.head_dim));
       kt.quantize_keys(k16.data(), g.head_dim, 32, g.head_dim, kq.data());
       kt.quantize_values(v16.data(), g.head_dim, 32, g.head_dim, vq.data());
-      EXPECT_EQ(std::memcmp(ch.k_head(h), kq.data(), kq.size() * sizeof(q4_block)), 0) << "keys, head " << h;
-      EXPECT_EQ(std::memcmp(ch.v_head(h), vq.data(), vq.size() * sizeof(q4_block)), 0) << "values, head " << h;
+      EXPECT_EQ(std::memcmp(ch.k_head(h), kq.data(), kq.size()), 0) << "keys, head " << h;
+      EXPECT_EQ(std::memcmp(ch.v_head(h), vq.data(), vq.size()), 0) << "values, head " << h;
     }
     first_group.push_back(raw_bytes(ch, g));
   }
@@ -471,9 +468,9 @@ TEST(two_tier, truncate_into_the_store_keeps_a_shorter_group_without_requantizin
     }
     // Codes of the cut-off tokens are 0 (format.hpp's rule for partial groups).
     for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-      const auto* blocks = reinterpret_cast<const q4_block*>(lv[2].k_head(h));
+      const auto* group = reinterpret_cast<const std::uint8_t*>(lv[2].k_head(h));
       for (std::uint32_t ch = 0; ch < g.head_dim; ++ch)
-        for (std::uint32_t t = 6; t < 32; ++t) ASSERT_EQ(kvcache::q4_code(blocks[ch], t), 0u);
+        for (std::uint32_t t = 6; t < 32; ++t) ASSERT_EQ(kvcache::q4_key_code(group, ch, t), 0u);
     }
   }
   // The tail continues after the cut: 40 tokens stay in the tail, then a new 32-token group.

@@ -36,7 +36,6 @@ using kvcache::format;
 using kvcache::geometry;
 using kvcache::half;
 using kvcache::layer_view;
-using kvcache::q4_block;
 using kvcache::seq_id;
 using cache_t = kvcache::two_tier_cache<cpu>;
 
@@ -86,11 +85,11 @@ head_kv read_view(const layer_view& lv, const geometry& g, std::uint32_t h) {
     float* kd = out.k.data() + t0 * hd;
     float* vd = out.v.data() + t0 * hd;
     if (ch.k_format == format::q4)
-      scalar().dequantize_keys(reinterpret_cast<const q4_block*>(ch.k_head(h)), ch.tokens, hd, kd, hd);
+      scalar().dequantize_keys(reinterpret_cast<const std::uint8_t*>(ch.k_head(h)), ch.tokens, hd, kd, hd);
     else
       scalar().f16_to_f32(reinterpret_cast<const half*>(ch.k_head(h)), kd, std::size_t{ch.tokens} * hd);
     if (ch.v_format == format::q4)
-      scalar().dequantize_values(reinterpret_cast<const q4_block*>(ch.v_head(h)), ch.tokens, hd, vd, hd);
+      scalar().dequantize_values(reinterpret_cast<const std::uint8_t*>(ch.v_head(h)), 0, ch.tokens, hd, vd, hd);
     else
       scalar().f16_to_f32(reinterpret_cast<const half*>(ch.v_head(h)), vd, std::size_t{ch.tokens} * hd);
     t0 += ch.tokens;
@@ -110,11 +109,10 @@ std::vector<float> per_token_keys(std::span<const float> k, std::size_t tokens, 
     for (std::uint32_t d = 0; d < hd; ++d) k16[t * hd + d] = kvcache::to_half(k[t * tw + std::size_t{h} * hd + d]);
   std::vector<float> out(tokens * hd);
   scalar().f16_to_f32(k16.data(), out.data(), out.size());
-  const std::uint32_t nb = kvcache::q4_value_blocks(hd);
-  std::vector<q4_block> blocks(nb);
+  std::vector<std::uint8_t> group(kvcache::q4_value_group_bytes(hd));
   for (std::size_t t = 0; t < store; ++t) {
-    scalar().quantize_values(k16.data() + t * hd, hd, 1, hd, blocks.data());
-    scalar().dequantize_values(blocks.data(), 1, hd, out.data() + t * hd, hd);
+    scalar().quantize_values(k16.data() + t * hd, hd, 1, hd, group.data());
+    scalar().dequantize_values(group.data(), 0, 1, hd, out.data() + t * hd, hd);
   }
   return out;
 }

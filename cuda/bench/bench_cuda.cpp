@@ -115,9 +115,9 @@ struct paged_fixture {
   bool make() {
     const std::uint32_t per_seq = (tokens + page - 1) / page;
     pages = static_cast<std::size_t>(per_seq) * seqs;
-    if (fmt == format::q4) {
-      k_head = head_dim * sizeof(kvcache::q4_block);
-      v_head = static_cast<std::size_t>(page) * kvcache::q4_value_blocks(head_dim) * sizeof(kvcache::q4_block);
+    if (fmt == format::q4) {  // page == 32: one key group and one value group per kv head (format.hpp)
+      k_head = kvcache::q4_key_group_bytes(head_dim);
+      v_head = kvcache::q4_value_group_bytes(head_dim);
     } else {
       k_head = v_head = static_cast<std::size_t>(page) * head_dim * kvcache::dense_element_bytes(fmt);
     }
@@ -128,7 +128,7 @@ struct paged_fixture {
     if (fmt == format::f16) {
       fill_halves(k, kb / 2);
       fill_halves(v, vb / 2);
-    }  // q4: zero blocks decode to 0 (scale 0, min 0): a valid, if boring, cache
+    }  // q4: zero groups decode to 0 (scale 0, min 0): a valid, if boring, cache
     std::vector<std::uint32_t> ip{0}, ix(pages), la;
     std::iota(ix.begin(), ix.end(), 0u);
     std::shuffle(ix.begin(), ix.end(), std::mt19937(2));
@@ -144,7 +144,7 @@ struct paged_fixture {
     (void)cudaMemcpy(indices, ix.data(), ix.size() * 4, cudaMemcpyHostToDevice);
     (void)cudaMemcpy(last, la.data(), la.size() * 4, cudaMemcpyHostToDevice);
     const double kv_per_token = fmt == format::q4
-                                    ? 2.0 * kv_heads * head_dim * 20.0 / 32.0
+                                    ? static_cast<double>(kv_heads) * static_cast<double>(k_head + v_head) / 32.0
                                     : 2.0 * kv_heads * head_dim * static_cast<double>(kvcache::dense_element_bytes(fmt));
     kv_bytes = kv_per_token * tokens * seqs;
     return true;

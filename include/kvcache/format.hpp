@@ -15,7 +15,7 @@ namespace kvcache {
 enum class format : std::uint8_t {
   f32,  ///< IEEE binary32, dense [token][head_dim] per head
   f16,  ///< IEEE binary16, dense [token][head_dim] per head
-  q4,   ///< 4-bit codes in q4_block groups of 32 (keys per channel, values per token)
+  q4,   ///< 4-bit codes in groups of 32 tokens (keys per channel, values per token): see below
 };
 
 /// "f32", "f16" or "q4".
@@ -28,34 +28,96 @@ enum class format : std::uint8_t {
   return "unknown";
 }
 
-/// Tokens (for keys) or channels (for values) quantized together in one Q4 group.
+/// Tokens quantized together in one Q4 group: a Q4 chunk of a view holds one group of each head.
 inline constexpr std::uint32_t q4_group = 32;
 
-/// One asymmetric Q4 group of up to 32 values: value_i = min + scale * code_i, code_i in [0, 15].
-/// codes[j] holds element j in its low nibble and element j + 16 in its high nibble, so one
-/// 16-byte load unpacks to elements 0..15 (low) and 16..31 (high). Unused elements of a partial
-/// group have code 0. 20 bytes for 32 values: exactly 5 bits per value including scale and min.
-///
-/// Keys use one block per (kv head, channel) covering 32 consecutive tokens: a key group of one
-/// head is `q4_block[head_dim]` (// [channel] -> codes over [token]). Values use one block per
-/// (kv head, token, 32 consecutive channels): `q4_block[token][ceil(head_dim / 32)]`; when
-/// head_dim % 32 != 0 the last block of each token holds the remaining head_dim % 32 channels.
-struct q4_block {
-  half scale;
-  half min;
-  std::uint8_t codes[q4_group / 2];
-};
-static_assert(sizeof(q4_block) == 20, "q4_block must be 20 bytes: 5 bits per value all-in");
-static_assert(alignof(q4_block) == 2);
+// ---- Q4 groups -------------------------------------------------------------------------------
+// Codes are asymmetric 4-bit: value = min + scale * code, code in [0, 15], scale and min FP16.
+// One group holds up to 32 tokens of one kv head, keys and values in separate groups, each a
+// packed byte array laid out for the integer dot products of decode attention (four bytes side by
+// side that one 32-bit lane of vpdpbusd / sdot sums): 20 bytes per 32 values, 5 bits per value
+// including scales and minimums.
+//
+// Key group (per channel over the group's tokens), C = q4_key_channels(head_dim):
+//   codes   [C / 4][16][4] bytes  channel quad c / 4, byte j, channel c % 4:
+//                                 token j in the low nibble, token j + 16 in the high nibble
+//   scales  [C] half              at q4_key_scales_offset(head_dim)
+//   mins    [C] half              at q4_key_mins_offset(head_dim)
+// Value group (per token over 32 consecutive channels, a "block column"), B = q4_value_blocks(head_dim):
+//   codes   [B][8][16][4] bytes   column g, token quad t / 4, byte j, token t % 4:
+//                                 channel 32 g + j in the low nibble, 32 g + j + 16 in the high
+//   scales  [B][32] half          at q4_value_scales_offset(head_dim), column-major: [g][t]
+//   mins    [B][32] half          at q4_value_mins_offset(head_dim)
+// Channels past head_dim (up to C, or to 32 B for values) have code 0, and key channels past
+// head_dim scale and min 0. Key codes of tokens past the group's count are 0; a value group's
+// codes, scales and minimums of tokens past its count are unspecified (kernels give those tokens
+// no weight and must not let them reach a result, not even through a maximum).
 
-/// Q4 value blocks per token for one head: ceil(head_dim / 32).
+/// Key channels of a Q4 key group: head_dim rounded up to a multiple of 4 (whole channel quads).
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::uint32_t q4_key_channels(std::uint32_t head_dim) noexcept {
+  return (head_dim + 3) / 4 * 4;
+}
+/// Value blocks (columns of 32 channels) per token: ceil(head_dim / 32).
 [[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::uint32_t q4_value_blocks(std::uint32_t head_dim) noexcept {
   return (head_dim + q4_group - 1) / q4_group;
 }
-
-/// Code of element i (0..31) of a block.
-[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::uint8_t q4_code(const q4_block& b, std::uint32_t i) noexcept {
-  return i < 16 ? static_cast<std::uint8_t>(b.codes[i] & 0x0f) : static_cast<std::uint8_t>(b.codes[i - 16] >> 4);
+/// Bytes of one Q4 key group of one head: 20 per key channel.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_key_group_bytes(std::uint32_t head_dim) noexcept {
+  return std::size_t{20} * q4_key_channels(head_dim);
+}
+/// Bytes of one Q4 value group of one head: 640 per block column.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_value_group_bytes(std::uint32_t head_dim) noexcept {
+  return std::size_t{640} * q4_value_blocks(head_dim);
+}
+/// Byte offset of the key scales (half[q4_key_channels]) in a key group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_key_scales_offset(std::uint32_t head_dim) noexcept {
+  return std::size_t{16} * q4_key_channels(head_dim);
+}
+/// Byte offset of the key minimums (half[q4_key_channels]) in a key group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_key_mins_offset(std::uint32_t head_dim) noexcept {
+  return std::size_t{18} * q4_key_channels(head_dim);
+}
+/// Byte offset of the value scales (half[B][32]) in a value group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_value_scales_offset(std::uint32_t head_dim) noexcept {
+  return std::size_t{512} * q4_value_blocks(head_dim);
+}
+/// Byte offset of the value minimums (half[B][32]) in a value group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_value_mins_offset(std::uint32_t head_dim) noexcept {
+  return std::size_t{576} * q4_value_blocks(head_dim);
+}
+/// Byte of a key group holding the code of channel c, token t (0..31): nibble t / 16.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_key_code_byte(std::uint32_t c, std::uint32_t t) noexcept {
+  return std::size_t{c / 4} * 64 + (t % 16) * 4 + c % 4;
+}
+/// Byte of a value group holding the code of token t (0..31), channel c: nibble (c % 32) / 16.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::size_t q4_value_code_byte(std::uint32_t t, std::uint32_t c) noexcept {
+  return std::size_t{c / 32} * 512 + (t / 4) * 64 + (c % 16) * 4 + t % 4;
+}
+/// Code of channel c, token t of a key group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::uint8_t q4_key_code(const std::uint8_t* group, std::uint32_t c,
+                                                                     std::uint32_t t) noexcept {
+  const std::uint8_t b = group[q4_key_code_byte(c, t)];
+  return static_cast<std::uint8_t>(t < 16 ? b & 0x0f : b >> 4);
+}
+/// Code of token t, channel c of a value group.
+[[nodiscard]] KVCACHE_HOST_DEVICE constexpr std::uint8_t q4_value_code(const std::uint8_t* group, std::uint32_t t,
+                                                                       std::uint32_t c) noexcept {
+  const std::uint8_t b = group[q4_value_code_byte(t, c)];
+  return static_cast<std::uint8_t>(c % 32 < 16 ? b & 0x0f : b >> 4);
+}
+/// The key scales and minimums of a group (its address must be 2-byte aligned).
+[[nodiscard]] KVCACHE_HOST_DEVICE inline const half* q4_key_scales(const std::uint8_t* group, std::uint32_t head_dim) noexcept {
+  return reinterpret_cast<const half*>(group + q4_key_scales_offset(head_dim));
+}
+[[nodiscard]] KVCACHE_HOST_DEVICE inline const half* q4_key_mins(const std::uint8_t* group, std::uint32_t head_dim) noexcept {
+  return reinterpret_cast<const half*>(group + q4_key_mins_offset(head_dim));
+}
+/// The value scales and minimums of a group, [g][t]: index g * 32 + t.
+[[nodiscard]] KVCACHE_HOST_DEVICE inline const half* q4_value_scales(const std::uint8_t* group, std::uint32_t head_dim) noexcept {
+  return reinterpret_cast<const half*>(group + q4_value_scales_offset(head_dim));
+}
+[[nodiscard]] KVCACHE_HOST_DEVICE inline const half* q4_value_mins(const std::uint8_t* group, std::uint32_t head_dim) noexcept {
+  return reinterpret_cast<const half*>(group + q4_value_mins_offset(head_dim));
 }
 
 /// Bytes per element of a dense format (f32, f16); 0 for q4, whose size depends on grouping.

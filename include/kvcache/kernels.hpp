@@ -22,12 +22,12 @@ enum class q4_arith : std::uint8_t {
   /// rounding error's share common to the group's tokens (8 scale sum_d e_d) added back: at most
   /// max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code c_d (plus float
   /// rounding). That is well below the Q4 keys' own error (see kernels_avx512vnni.cpp).
-  /// AVX-512 with VNNI and VBMI (head_dim up to 16384; float beyond); AVX2 with AVX-VNNI.
-  /// Values (AVX-512 with VNNI and VBMI, where a token has 2, 4 or 8 value blocks: head_dim
-  /// 33..64, 97..128 or 225..256; float otherwise): per tile of 32 tokens, query
-  /// and block column g, the weights w_t = p_t * scale_t are rounded to u8 on a grid of
-  /// step = max_t p_t * max_t scale_t / 255 and multiply the centred codes c - 8: at most
-  /// step / 2 * |c_t - 8| of error per token and channel.
+  /// AVX-512 with VNNI and VBMI, and AVX2 with AVX-VNNI (head_dim up to 16384; float beyond).
+  /// Values (AVX-512 with VNNI and VBMI, every head_dim): per group, query and block column g,
+  /// the weights w_t = p_t * scale_t of the tokens summed are rounded to u8 on a grid of
+  /// step = max_t p_t * max_t scale_t / 255 (both maxima over those tokens) and multiply the
+  /// centred codes c - 8: at most step / 2 * |c_t - 8| of error per token and channel. The
+  /// weights must be >= 0 (as softmax weights are): the int8 value sums do not take negative ones.
   int8,
 };
 
@@ -49,21 +49,23 @@ struct table {
   /// dst[i] = to_float(src[i]), i < n.
   void (*f16_to_f32)(const half* src, float* dst, std::size_t n);
 
-  /// Quantizes one key group of one head: `tokens` (1..32) rows, row t at src + t * src_stride,
-  /// each of head_dim values. Writes dst[head_dim]: block d = channel d over the tokens (codes of
-  /// missing tokens are 0). // src [token][head_dim] -> dst [channel]{32 tokens}
+  /// Quantizes one key group of one head (format.hpp): `tokens` (1..32) rows, row t at
+  /// src + t * src_stride, each of head_dim values, into dst[q4_key_group_bytes(head_dim)] (every
+  /// byte written: codes of missing tokens and channels 0). // src [token][head_dim] -> dst group
   void (*quantize_keys)(const half* src, std::size_t src_stride, std::uint32_t tokens,
-                        std::uint32_t head_dim, q4_block* dst);
+                        std::uint32_t head_dim, std::uint8_t* dst);
   /// Inverse of quantize_keys: dst row t at dst + t * dst_stride, t < tokens.
-  void (*dequantize_keys)(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim,
+  void (*dequantize_keys)(const std::uint8_t* src, std::uint32_t tokens, std::uint32_t head_dim,
                           float* dst, std::size_t dst_stride);
-  /// Quantizes `tokens` value rows of one head, each row per token in groups of 32 channels:
-  /// dst[t * q4_value_blocks(head_dim) + g]. // src [token][head_dim] -> dst [token][group]
+  /// Quantizes `tokens` (1..32) value rows of one head, each token in columns of 32 channels, into
+  /// one value group dst[q4_value_group_bytes(head_dim)] (format.hpp; every byte written: tokens
+  /// past `tokens` get codes, scales and minimums 0). // src [token][head_dim] -> dst group
   void (*quantize_values)(const half* src, std::size_t src_stride, std::uint32_t tokens,
-                          std::uint32_t head_dim, q4_block* dst);
-  /// Inverse of quantize_values.
-  void (*dequantize_values)(const q4_block* src, std::uint32_t tokens, std::uint32_t head_dim,
-                            float* dst, std::size_t dst_stride);
+                          std::uint32_t head_dim, std::uint8_t* dst);
+  /// Inverse of quantize_values: tokens [first, first + tokens) of the group (first + tokens <= 32)
+  /// to rows dst + (t - first) * dst_stride.
+  void (*dequantize_values)(const std::uint8_t* src, std::uint32_t first, std::uint32_t tokens,
+                            std::uint32_t head_dim, float* dst, std::size_t dst_stride);
 
   /// Attention scores of nq queries against `tokens` dense keys of one head:
   /// out[i * out_stride + t] = dot(q[i * head_dim ..], k[t * head_dim ..]); pf: see prefetch_region.
@@ -72,10 +74,10 @@ struct table {
                      std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
   void (*scores_f32)(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
                      std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
-  /// Scores against one Q4 key group (k = q4_block[head_dim], tokens <= 32), reading codes in
-  /// place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt + sum_d q_d m_d;
-  /// pf: see prefetch_region (spread over the channels).
-  void (*scores_q4)(const float* q, std::uint32_t nq, const q4_block* k, std::uint32_t tokens,
+  /// Scores against tokens 0..tokens-1 (tokens <= 32) of one Q4 key group (format.hpp), reading
+  /// codes in place with the scales folded into the query: q.k_t = sum_d (q_d s_d) code_dt +
+  /// sum_d q_d m_d; pf: see prefetch_region (spread over the channels).
+  void (*scores_q4)(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                     std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
 
   /// Weighted accumulation: acc[i * head_dim + d] += sum_t p[i * p_stride + t] * v[t][d]; pf: see
@@ -84,10 +86,12 @@ struct table {
                          std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
   void (*accumulate_f32)(const float* p, std::size_t p_stride, std::uint32_t nq, const float* v,
                          std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
-  /// Same over Q4 values (v = q4_block[tokens][q4_value_blocks(head_dim)]), read in place:
-  /// per block, acc += (p * scale) * code + p * min; pf: see prefetch_region.
-  void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const q4_block* v,
-                        std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf);
+  /// Same over tokens [first, first + tokens) of one Q4 value group v (format.hpp; first + tokens
+  /// <= 32), weight p[i * p_stride + t - first] for token t, read in place: per token and block
+  /// column, acc += (p * scale) * code + p * min; pf: see prefetch_region.
+  void (*accumulate_q4)(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
+                        std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
+                        prefetch_region pf);
 
   /// The arithmetic of scores_q4.
   q4_arith q4 = q4_arith::float32;
@@ -95,16 +99,15 @@ struct table {
   q4_arith q4_values = q4_arith::float32;
 
   /// Optional, nullptr where a table has none (attend() then calls scores_q4, its own softmax step
-  /// and accumulate_q4): one online-softmax step of decode attention over one Q4 group with Q4
-  /// values, k = q4_block[head_dim] and v = q4_block[tokens][q4_value_blocks(head_dim)],
-  /// tokens 1..32, for queries q [nq][head_dim] that give base-2 logits. For each query i:
+  /// and accumulate_q4): one online-softmax step of decode attention over tokens 0..tokens-1
+  /// (1..32) of a Q4 key group k and a Q4 value group v (format.hpp), for queries q [nq][head_dim] that give base-2 logits. For each query i:
   /// s_t = its scores as scores_q4 computes them, m = max(run_max[i], max_t s_t); where m exceeds
   /// run_max[i], acc[i][..] and run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while
   /// run_max[i] is -inf); then with w_t = 2^(s_t - m): run_sum[i] += sum_t w_t, acc[i][..] +=
   /// sum_t w_t v_t as accumulate_q4 sums it, run_max[i] = m. One call instead of three, with the
   /// scores and weights of four queries kept side by side. pf: see prefetch_region.
   /// // q [nq][head_dim], run_max, run_sum [nq], acc [nq][head_dim]
-  void (*attend_q4)(const float* q, std::uint32_t nq, const q4_block* k, const q4_block* v, std::uint32_t tokens,
+  void (*attend_q4)(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
                     std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
                     prefetch_region pf) = nullptr;
 };

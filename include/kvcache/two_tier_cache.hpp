@@ -13,8 +13,8 @@
 ///   unchanged) until commit; longer reservations park the few tail tokens whose slot is still
 ///   occupied in a staging buffer (allocated by reserve, freed by commit).
 /// - Store: 32-token groups, each quantized once and never re-quantized. Q4 keys are grouped per
-///   (kv head, channel) over the group's 32 tokens, Q4 values per (kv head, token, 32 channels);
-///   FP16 store groups are plain copies, `// [kv_head][32][head_dim]`. One group slot holds every
+///   (kv head, channel) over the group's 32 tokens, Q4 values per (kv head, token, 32 channels),
+///   one packed key group and one value group per head (format.hpp); FP16 store groups are plain copies, `// [kv_head][32][head_dim]`. One group slot holds every
 ///   layer: `// [layer]{K: [kv_head] key group, V: [kv_head] value group}`.
 ///
 /// Allocation policy (stats() reports exactly what is allocated):
@@ -254,15 +254,11 @@ class two_tier_cache<cpu> {
     c.ring_head_bytes_ = *ring_head;
     c.ring_layer_bytes_ = *ring_layer;
     c.ring_bytes_ = *ring_all;
-    auto k_head = checked_mul(g.head_dim, cfg.key_format == format::q4 ? sizeof(q4_block) : q4_group * sizeof(half),
-                              "two_tier: key group bytes");
-    KVCACHE_TRY(k_head);
-    auto v_head = checked_mul(cfg.value_format == format::q4 ? std::size_t{q4_value_blocks(g.head_dim)} : g.head_dim,
-                              cfg.value_format == format::q4 ? q4_group * sizeof(q4_block) : q4_group * sizeof(half),
-                              "two_tier: value group bytes");
-    KVCACHE_TRY(v_head);
-    c.k_group_head_ = *k_head;
-    c.v_group_head_ = *v_head;
+    // A Q4 group of one head: 20 bytes per key channel (rounded up to 4 channels) or 640 per
+    // value column of 32 channels (format.hpp); f16: 32 dense rows. head_dim < 2^32: no overflow.
+    const std::size_t dense_head = std::size_t{q4_group} * sizeof(half) * g.head_dim;
+    c.k_group_head_ = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : dense_head;
+    c.v_group_head_ = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : dense_head;
     auto layer_group = checked_mul(c.k_group_head_ + c.v_group_head_, g.kv_heads, "two_tier: group bytes");
     KVCACHE_TRY(layer_group);
     auto slot = checked_mul(*layer_group, g.layers, "two_tier: group bytes");
@@ -685,9 +681,9 @@ class two_tier_cache<cpu> {
           src = rows;
         }
         if (f == format::q4) {
-          auto* blocks = reinterpret_cast<q4_block*>(dh);
-          if (value) kt.quantize_values(src, hd, q4_group, hd, blocks);
-          else kt.quantize_keys(src, hd, q4_group, hd, blocks);
+          auto* group = reinterpret_cast<std::uint8_t*>(dh);
+          if (value) kt.quantize_values(src, hd, q4_group, hd, group);
+          else kt.quantize_keys(src, hd, q4_group, hd, group);
         }
       }
     }
@@ -823,16 +819,16 @@ class two_tier_cache<cpu> {
     }
   }
 
-  // Zeroes the codes of tokens >= keep in every key block of a group (format.hpp: unused
-  // elements of a partial group have code 0). Kept codes, scales and minimums are untouched.
+  // Zeroes the key codes of tokens >= keep of a group (format.hpp: key codes of tokens past a
+  // group's count are 0). Kept codes, scales and minimums are untouched.
   void clear_key_codes(sequence& q, std::uint32_t gslot, std::uint32_t keep) const noexcept {
     for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) {
       std::byte* base = slot_base(q, gslot) + std::size_t{l} * layer_group_bytes_;
       for (std::uint32_t h = 0; h < cfg_.shape.kv_heads; ++h) {
-        auto* blocks = reinterpret_cast<q4_block*>(base + std::size_t{h} * k_group_head_);
+        auto* group = reinterpret_cast<std::uint8_t*>(base + std::size_t{h} * k_group_head_);
         for (std::uint32_t d = 0; d < cfg_.shape.head_dim; ++d)
           for (std::uint32_t t = keep; t < q4_group; ++t) {
-            std::uint8_t& byte = blocks[d].codes[t % 16];
+            std::uint8_t& byte = group[q4_key_code_byte(d, t)];
             byte = static_cast<std::uint8_t>(t < 16 ? (byte & 0xf0u) : (byte & 0x0fu));
           }
       }

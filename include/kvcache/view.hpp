@@ -17,9 +17,12 @@ namespace kvcache {
 ///
 /// Layouts (head-major), with h = kv head, t = token in chunk, d = channel:
 /// - f32 / f16:  k + h * k_head_stride bytes -> [t][head_dim] dense elements (same for v)
-/// - q4 keys:    k + h * k_head_stride bytes -> q4_block[head_dim]; block d holds channel d of
-///               tokens 0..tokens-1 (tokens <= 32; the group starts at the chunk's first token)
-/// - q4 values:  v + h * v_head_stride bytes -> q4_block[t][q4_value_blocks(head_dim)]
+/// - q4 keys:    k + h * k_head_stride bytes -> one Q4 key group (format.hpp) of tokens
+///               0..tokens-1 (tokens <= 32; the group starts at the chunk's first token)
+/// - q4 values:  v + h * v_head_stride bytes -> one Q4 value group (format.hpp), tokens as keys
+/// A chunk with Q4 keys or values holds at most 32 tokens. Q4 groups are 2-byte aligned (4 on
+/// CUDA); with several kv heads the Q4 head strides are at least q4_key_group_bytes(head_dim) and
+/// q4_value_group_bytes(head_dim).
 struct chunk {
   const void* k = nullptr;
   const void* v = nullptr;

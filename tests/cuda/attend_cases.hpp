@@ -15,7 +15,6 @@ namespace kvcache_cuda_test {
 
 using kvcache::format;
 using kvcache::half;
-using kvcache::q4_block;
 
 // One segment of a synthetic cache: pages in the given formats, with the decoded floats kept for
 // the reference ([b][token][kv_head][head_dim] per sequence).
@@ -30,7 +29,23 @@ struct segment_data {
 
 inline std::size_t dense_or_q4_head_bytes(format f, bool keys, std::uint32_t page_tokens, std::uint32_t D) {
   if (f != format::q4) return static_cast<std::size_t>(page_tokens) * D * kvcache::dense_element_bytes(f);
-  return keys ? D * sizeof(q4_block) : static_cast<std::size_t>(page_tokens) * kvcache::q4_value_blocks(D) * sizeof(q4_block);
+  return keys ? kvcache::q4_key_group_bytes(D) : kvcache::q4_value_group_bytes(D);  // one group: page_tokens is 32
+}
+
+/// Fills the codes, scales and minimums of a value group's token slots n..31 with garbage that
+/// must never reach a result (format.hpp: unspecified; here NaN and infinite scales and minimums,
+/// arbitrary codes), as a group whose slots held other tokens before would.
+inline void poison_value_slots(std::uint8_t* group, std::uint32_t n, std::uint32_t D) {
+  const std::uint16_t bad[] = {0x7e00, 0x7c00, 0xfc00, 0x7bff};  // NaN, +inf, -inf, 65504
+  auto* scales = reinterpret_cast<std::uint16_t*>(group + kvcache::q4_value_scales_offset(D));
+  auto* mins = reinterpret_cast<std::uint16_t*>(group + kvcache::q4_value_mins_offset(D));
+  for (std::uint32_t g = 0; g < kvcache::q4_value_blocks(D); ++g)
+    for (std::uint32_t t = n; t < kvcache::q4_group; ++t) {
+      scales[g * kvcache::q4_group + t] = bad[(g + t) % 4];
+      mins[g * kvcache::q4_group + t] = bad[(g + t + 1) % 4];
+      for (std::uint32_t j = 0; j < kvcache::q4_group / 2; ++j)
+        group[kvcache::q4_value_code_byte(t, g * kvcache::q4_group + j)] = static_cast<std::uint8_t>(0x5a + 7 * t + j);
+    }
 }
 
 inline segment_data make_segment(rng& r, format kf, format vf, std::uint32_t page_tokens, const std::vector<std::uint32_t>& lens,
@@ -67,11 +82,9 @@ inline segment_data make_segment(rng& r, format kf, format vf, std::uint32_t pag
         std::vector<float> kx(static_cast<std::size_t>(n) * D), vx(kx.size());
         std::uint8_t* kp = &s.k_pool[page * s.k_page + h * s.k_head];
         std::uint8_t* vp = &s.v_pool[page * s.v_page + h * s.v_head];
-        if (kf == format::q4) {
-          std::vector<q4_block> b(D);
-          scalar().quantize_keys(kh.data(), D, n, D, b.data());
-          std::memcpy(kp, b.data(), b.size() * sizeof(q4_block));
-          scalar().dequantize_keys(b.data(), n, D, kx.data(), D);
+        if (kf == format::q4) {  // straight into the page: the quantizer writes the whole group
+          scalar().quantize_keys(kh.data(), D, n, D, kp);
+          scalar().dequantize_keys(kp, n, D, kx.data(), D);
         } else if (kf == format::f16) {
           std::memcpy(kp, kh.data(), kh.size() * sizeof(half));
           scalar().f16_to_f32(kh.data(), kx.data(), kh.size());
@@ -80,10 +93,9 @@ inline segment_data make_segment(rng& r, format kf, format vf, std::uint32_t pag
           std::memcpy(kp, kx.data(), kx.size() * sizeof(float));
         }
         if (vf == format::q4) {
-          std::vector<q4_block> b(static_cast<std::size_t>(n) * kvcache::q4_value_blocks(D));
-          scalar().quantize_values(vh.data(), D, n, D, b.data());
-          std::memcpy(vp, b.data(), b.size() * sizeof(q4_block));
-          scalar().dequantize_values(b.data(), n, D, vx.data(), D);
+          scalar().quantize_values(vh.data(), D, n, D, vp);
+          if (n < kvcache::q4_group) poison_value_slots(vp, n, D);
+          scalar().dequantize_values(vp, 0, n, D, vx.data(), D);
         } else if (vf == format::f16) {
           std::memcpy(vp, vh.data(), vh.size() * sizeof(half));
           scalar().f16_to_f32(vh.data(), vx.data(), vh.size());

@@ -22,7 +22,6 @@ namespace {
 
 using kvcache::format;
 using kvcache::half;
-using kvcache::q4_block;
 using namespace kvcache_cuda_test;
 
 // The launch callback of the launch_* templates, running the grid on the CPU.
@@ -50,6 +49,8 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {8, 2, 40, format::q4, format::q4, 32, true, 64, {0, 31, 100}},  // two-tier shape, ragged head_dim
       {4, 1, 128, format::q4, format::f16, 32, true, 32, {129, 64}},
       {6, 3, 96, format::f16, format::q4, 32, false, 64, {95, 96, 97}},
+      {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
+      {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
   };
   for (const attend_case& c : cases) {
     rng r;
@@ -193,16 +194,20 @@ TEST(cuda_emulated, migrate_kernel_is_bit_identical_to_scalar_quantize) {
         rng r;
         SCOPED_TRACE(::testing::Message() << r.trace() << " head_dim=" << D << " tokens=" << tokens
                                           << " key store=" << kvcache::to_string(kf));
-        const std::uint32_t kv_heads = 2, layers = 2, nb = kvcache::q4_value_blocks(D);
+        const std::uint32_t kv_heads = 2, layers = 2;
         const std::size_t s_head = 32 * D, s_page = s_head * kv_heads, s_layer = s_page * 3;  // halves
         std::vector<half> sk = r.halves(s_layer * layers, -3.0f, 3.0f), sv = r.halves(s_layer * layers);
         for (std::uint32_t t = 0; t < 32 && D > 2; ++t) {  // constant, signed-zero and outlier channels
           sk[t * D] = kvcache::to_half(0.25f);
           sk[t * D + 1] = kvcache::to_half(t % 2 ? -0.0f : 0.0f);
           sk[t * D + 2] = kvcache::to_half(t == 3 ? 900.0f : 0.5f);
+          if (D > 3) sk[t * D + 3] = kvcache::to_half(-0.0f);  // all -0: scale and minimum +0
         }
-        const std::size_t dk_head = kf == format::q4 ? D * sizeof(q4_block) : 32 * D * sizeof(half);
-        const std::size_t dv_head = 32 * nb * sizeof(q4_block);
+        for (std::uint32_t d = 0; d < std::min(D, 32u); ++d) sv[5 * D + d] = kvcache::to_half(-0.0f);  // a -0 value block
+        // Head strides padded by 12 bytes: the kernel writes each group whole and nothing past it.
+        const std::size_t dk_group = kf == format::q4 ? kvcache::q4_key_group_bytes(D) : 32 * D * sizeof(half);
+        const std::size_t dv_group = kvcache::q4_value_group_bytes(D);
+        const std::size_t dk_head = dk_group + 12, dv_head = dv_group + 12;
         const std::size_t dk_layer = dk_head * kv_heads * 2, dv_layer = dv_head * kv_heads * 2;
         std::vector<std::uint8_t> dk(dk_layer * layers, 0xAB), dv(dv_layer * layers, 0xCD);
         std::vector<std::uint8_t> want_k = dk, want_v = dv;
@@ -214,16 +219,16 @@ TEST(cuda_emulated, migrate_kernel_is_bit_identical_to_scalar_quantize) {
               const half* src_v = sv.data() + l * s_layer + src_page[i] * s_page + h * s_head;
               std::uint8_t* wk = want_k.data() + l * dk_layer + (dst_page[i] * kv_heads + h) * dk_head;
               std::uint8_t* wv = want_v.data() + l * dv_layer + (dst_page[i] * kv_heads + h) * dv_head;
-              if (kf == format::q4) {
-                std::vector<q4_block> kb(D);
-                scalar().quantize_keys(src_k, D, tokens, D, kb.data());
-                std::memcpy(wk, kb.data(), kb.size() * sizeof(q4_block));
+              if (kf == format::q4) {  // the whole group, as the scalar quantizer writes it
+                std::vector<std::uint8_t> kg(dk_group);
+                scalar().quantize_keys(src_k, D, tokens, D, kg.data());
+                std::memcpy(wk, kg.data(), kg.size());
               } else {
                 std::memcpy(wk, src_k, static_cast<std::size_t>(tokens) * D * sizeof(half));
               }
-              std::vector<q4_block> vb(static_cast<std::size_t>(tokens) * nb);
-              scalar().quantize_values(src_v, D, tokens, D, vb.data());
-              std::memcpy(wv, vb.data(), vb.size() * sizeof(q4_block));
+              std::vector<std::uint8_t> vg(dv_group);
+              scalar().quantize_values(src_v, D, tokens, D, vg.data());
+              std::memcpy(wv, vg.data(), vg.size());
             }
         kvcache::migrate_params p;
         p.src.k = sk.data();

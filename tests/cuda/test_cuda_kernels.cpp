@@ -19,7 +19,6 @@ namespace {
 
 using kvcache::format;
 using kvcache::half;
-using kvcache::q4_block;
 using namespace kvcache_cuda_test;
 
 // ---- append ----------------------------------------------------------------------------------
@@ -166,12 +165,12 @@ TEST(cuda_kernels, migrate_is_bit_identical_to_scalar_quantize) {
       rng r;
       SCOPED_TRACE(::testing::Message() << r.trace() << " head_dim=" << D << " tokens=" << tokens);
       const std::uint32_t layers = 2, kv_heads = 3, src_pages = 5, dst_pages = 4, count = 3;
-      const std::uint32_t nb = kvcache::q4_value_blocks(D);
       const std::size_t s_head = static_cast<std::size_t>(32) * D * sizeof(half);
       const std::size_t s_page = s_head * kv_heads;
       const std::size_t s_layer = s_page * src_pages;
-      const std::size_t dk_head = static_cast<std::size_t>(D) * sizeof(q4_block);
-      const std::size_t dv_head = static_cast<std::size_t>(32) * nb * sizeof(q4_block);
+      // One group per head, head strides padded by 4 bytes: each group is written whole, nothing past it.
+      const std::size_t dk_group = kvcache::q4_key_group_bytes(D), dv_group = kvcache::q4_value_group_bytes(D);
+      const std::size_t dk_head = dk_group + 4, dv_head = dv_group + 4;
       const std::size_t dk_page = dk_head * kv_heads, dv_page = dv_head * kv_heads;
       const std::size_t dk_layer = dk_page * dst_pages, dv_layer = dv_page * dst_pages;
       std::vector<half> sk = r.halves(s_layer / sizeof(half) * layers, -3.0f, 3.0f);
@@ -181,7 +180,9 @@ TEST(cuda_kernels, migrate_is_bit_identical_to_scalar_quantize) {
         sk[static_cast<std::size_t>(t) * D] = kvcache::to_half(0.25f);
         if (D > 1) sk[static_cast<std::size_t>(t) * D + 1] = kvcache::to_half(t % 2 ? -0.0f : 0.0f);
         if (D > 2) sk[static_cast<std::size_t>(t) * D + 2] = kvcache::to_half(t == 3 ? 900.0f : 0.5f);
+        if (D > 3) sk[static_cast<std::size_t>(t) * D + 3] = kvcache::to_half(-0.0f);  // all -0: scale, min +0
       }
+      for (std::uint32_t d = 0; d < std::min(D, 32u); ++d) sv[5 * D + d] = kvcache::to_half(-0.0f);  // a -0 value block
       std::vector<std::uint8_t> dk(dk_layer * layers), dv(dv_layer * layers);
       for (auto& x : dk) x = static_cast<std::uint8_t>(r.between(0, 255));
       for (auto& x : dv) x = static_cast<std::uint8_t>(r.between(0, 255));
@@ -200,11 +201,11 @@ TEST(cuda_kernels, migrate_is_bit_identical_to_scalar_quantize) {
         for (std::uint32_t l = 0; l < layers; ++l)
           for (std::uint32_t h = 0; h < kv_heads; ++h) {
             const std::size_t so = (l * s_layer + srcs[i] * s_page + h * s_head) / sizeof(half);
-            std::vector<q4_block> kb(D), vb(static_cast<std::size_t>(tokens) * nb);
-            scalar().quantize_keys(sk.data() + so, D, tokens, D, kb.data());
-            scalar().quantize_values(sv.data() + so, D, tokens, D, vb.data());
-            std::memcpy(&want_k[l * dk_layer + dsts[i] * dk_page + h * dk_head], kb.data(), kb.size() * sizeof(q4_block));
-            std::memcpy(&want_v[l * dv_layer + dsts[i] * dv_page + h * dv_head], vb.data(), vb.size() * sizeof(q4_block));
+            std::vector<std::uint8_t> kg(dk_group), vg(dv_group);  // whole groups, as the scalar quantizer writes them
+            scalar().quantize_keys(sk.data() + so, D, tokens, D, kg.data());
+            scalar().quantize_values(sv.data() + so, D, tokens, D, vg.data());
+            std::memcpy(&want_k[l * dk_layer + dsts[i] * dk_page + h * dk_head], kg.data(), kg.size());
+            std::memcpy(&want_v[l * dv_layer + dsts[i] * dv_page + h * dv_head], vg.data(), vg.size());
           }
       }
       auto d_sk = upload(where, sk);
@@ -363,6 +364,9 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {8, 2, 40, format::q4, format::q4, 32, true, 96, {0, 31, 200}},  // two-tier shape, ragged head_dim
       {4, 1, 128, format::q4, format::f16, 32, true, 32, {129, 64}},
       {6, 3, 96, format::f16, format::q4, 32, false, 64, {95, 96, 97}},
+      {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
+      {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
+      {8, 1, 250, format::q4, format::q4, 32, false, 128, {400}},  // 8 value columns, the last partial
   };
   for (attend_case c : cases) {
     for (std::uint32_t& len : c.lens) len = std::min<std::uint32_t>(len, static_cast<std::uint32_t>(steps(1 << 30, 96)));

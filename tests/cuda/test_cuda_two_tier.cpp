@@ -21,7 +21,6 @@ using kvcache::cpu;
 using kvcache::cuda;
 using kvcache::errc;
 using kvcache::format;
-using kvcache::q4_block;
 using kvcache::seq_id;
 using namespace kvcache_cuda_test;
 
@@ -50,12 +49,12 @@ std::vector<std::uint32_t> decode(const kvcache::layer_view& lv, const kvcache::
       for (int kv = 0; kv < 2; ++kv) {
         const format f = kv == 0 ? ch.k_format : ch.v_format;
         const std::byte* base = kv == 0 ? ch.k_head(h) : ch.v_head(h);
-        if (f == format::q4 && kv == 0) {
-          const auto b = fetch(base, D * sizeof(q4_block), device);
-          scalar().dequantize_keys(reinterpret_cast<const q4_block*>(b.data()), ch.tokens, g.head_dim, rows.data(), D);
+        if (f == format::q4 && kv == 0) {  // one key group: whole, whatever its token count
+          const auto b = fetch(base, kvcache::q4_key_group_bytes(g.head_dim), device);
+          scalar().dequantize_keys(b.data(), ch.tokens, g.head_dim, rows.data(), D);
         } else if (f == format::q4) {
-          const auto b = fetch(base, ch.tokens * kvcache::q4_value_blocks(g.head_dim) * sizeof(q4_block), device);
-          scalar().dequantize_values(reinterpret_cast<const q4_block*>(b.data()), ch.tokens, g.head_dim, rows.data(), D);
+          const auto b = fetch(base, kvcache::q4_value_group_bytes(g.head_dim), device);
+          scalar().dequantize_values(b.data(), 0, ch.tokens, g.head_dim, rows.data(), D);
         } else {
           const auto b = fetch(base, ch.tokens * D * sizeof(kvcache::half), device);
           scalar().f16_to_f32(reinterpret_cast<const kvcache::half*>(b.data()), rows.data(), ch.tokens * D);
@@ -109,62 +108,72 @@ TEST(cuda_two_tier, limits_are_typed_errors) {
 
 TEST(cuda_two_tier, same_tokens_as_the_cpu_cache) {
   KVCACHE_REQUIRE_CUDA();
-  const kvcache::geometry g{2, 2, 40};
+  struct tt_case {
+    kvcache::geometry g;
+    format kf, vf;
+    std::uint32_t tail;
+  };
+  std::vector<tt_case> cases;
   for (const auto& [kf, vf] : {std::pair{format::q4, format::q4}, std::pair{format::q4, format::f16},
                                std::pair{format::f16, format::q4}})
-    for (std::uint32_t tail : {0u, 64u}) {
-      rng r;
-      SCOPED_TRACE(::testing::Message() << r.trace() << " k=" << kvcache::to_string(kf) << " v=" << kvcache::to_string(vf)
-                                        << " tail=" << tail);
-      const auto cfg = config(g, kf, vf, tail);
-      auto gc = kvcache::two_tier_cache<cuda>::create(cfg);
-      auto cc = kvcache::two_tier_cache<cpu>::create(cfg);
-      KVCACHE_ASSERT_OK(gc);
-      KVCACHE_ASSERT_OK(cc);
-      std::vector<std::pair<seq_id, seq_id>> ids;
-      for (int i = 0; i < 3; ++i) ids.emplace_back(gc->create().value(), cc->create().value());
-      for (int step = 0; step < 40; ++step)
-        for (auto& [gs, cs] : ids) {
-          const std::size_t len = gc->length(gs).value();
-          std::size_t n = r.between(0, 3) == 0 ? r.between(0, 70) : r.between(0, 3);
-          n = std::min(n, cfg.max_tokens - len);
-          KVCACHE_ASSERT_OK(gc->reserve(gs, n));
-          KVCACHE_ASSERT_OK(cc->reserve(cs, n));
-          for (std::uint32_t l = 0; l < g.layers; ++l) {
-            const std::vector<float> k = r.floats(n * g.token_width(), -2.0f, 2.0f), v = r.floats(n * g.token_width());
-            KVCACHE_ASSERT_OK(gc->write(gs, l, std::span<const float>(k), std::span<const float>(v)));
-            KVCACHE_ASSERT_OK(cc->write(cs, l, std::span<const float>(k), std::span<const float>(v)));
-          }
-          KVCACHE_ASSERT_OK(gc->commit(gs));
-          KVCACHE_ASSERT_OK(cc->commit(cs));
-          if (step % 9 == 8) {  // roll back a few tokens, within the tail or at a group boundary
-            const auto info = gc->info(gs).value();
-            const std::size_t cut = info.tail_tokens > 0 ? std::min<std::size_t>(info.tail_tokens, r.between(1, 7))
-                                                         : (info.store_tokens >= 32 ? 32 : 0);
-            KVCACHE_ASSERT_OK(gc->truncate(gs, gc->length(gs).value() - cut));
-            KVCACHE_ASSERT_OK(cc->truncate(cs, cc->length(cs).value() - cut));
-          }
-        }
+    for (std::uint32_t tail : {0u, 64u}) cases.push_back({{2, 2, 40}, kf, vf, tail});
+  cases.push_back({{1, 2, 30}, format::q4, format::q4, 0});  // Q4 key groups with padding channels, a partial value column
+  for (const tt_case& tc : cases) {
+    const kvcache::geometry& g = tc.g;
+    const format kf = tc.kf, vf = tc.vf;
+    const std::uint32_t tail = tc.tail;
+    rng r;
+    SCOPED_TRACE(::testing::Message() << r.trace() << " head_dim=" << g.head_dim << " k=" << kvcache::to_string(kf)
+                                      << " v=" << kvcache::to_string(vf) << " tail=" << tail);
+    const auto cfg = config(g, kf, vf, tail);
+    auto gc = kvcache::two_tier_cache<cuda>::create(cfg);
+    auto cc = kvcache::two_tier_cache<cpu>::create(cfg);
+    KVCACHE_ASSERT_OK(gc);
+    KVCACHE_ASSERT_OK(cc);
+    std::vector<std::pair<seq_id, seq_id>> ids;
+    for (int i = 0; i < 3; ++i) ids.emplace_back(gc->create().value(), cc->create().value());
+    for (int step = 0; step < 40; ++step)
       for (auto& [gs, cs] : ids) {
-        ASSERT_EQ(gc->length(gs).value(), cc->length(cs).value());
-        const auto gi = gc->info(gs).value(), ci = cc->info(cs).value();
-        EXPECT_EQ(gi.store_groups, ci.store_groups);
-        EXPECT_EQ(gi.tail_tokens, ci.tail_tokens);
-        for (std::uint32_t l = 0; l < g.layers; ++l)
-          EXPECT_TRUE(decode(gc->view(gs, l).value(), g, true) == decode(cc->view(cs, l).value(), g, false)) << "layer " << l;
+        const std::size_t len = gc->length(gs).value();
+        std::size_t n = r.between(0, 3) == 0 ? r.between(0, 70) : r.between(0, 3);
+        n = std::min(n, cfg.max_tokens - len);
+        KVCACHE_ASSERT_OK(gc->reserve(gs, n));
+        KVCACHE_ASSERT_OK(cc->reserve(cs, n));
+        for (std::uint32_t l = 0; l < g.layers; ++l) {
+          const std::vector<float> k = r.floats(n * g.token_width(), -2.0f, 2.0f), v = r.floats(n * g.token_width());
+          KVCACHE_ASSERT_OK(gc->write(gs, l, std::span<const float>(k), std::span<const float>(v)));
+          KVCACHE_ASSERT_OK(cc->write(cs, l, std::span<const float>(k), std::span<const float>(v)));
+        }
+        KVCACHE_ASSERT_OK(gc->commit(gs));
+        KVCACHE_ASSERT_OK(cc->commit(cs));
+        if (step % 9 == 8) {  // roll back a few tokens, within the tail or at a group boundary
+          const auto info = gc->info(gs).value();
+          const std::size_t cut = info.tail_tokens > 0 ? std::min<std::size_t>(info.tail_tokens, r.between(1, 7))
+                                                       : (info.store_tokens >= 32 ? 32 : 0);
+          KVCACHE_ASSERT_OK(gc->truncate(gs, gc->length(gs).value() - cut));
+          KVCACHE_ASSERT_OK(cc->truncate(cs, cc->length(cs).value() - cut));
+        }
       }
-      EXPECT_EQ(gc->stats().store_tokens, cc->stats().store_tokens);
-      // A cut inside a store group is the documented gap: typed error, nothing changed.
-      auto& [gs, cs] = ids[0];
-      const auto info = gc->info(gs).value();
-      if (info.store_tokens >= 32) {
-        const std::size_t before = gc->length(gs).value();
-        const kvcache::result<void> cut = gc->truncate(gs, info.store_tokens - 5);
-        ASSERT_FALSE(cut.has_value());
-        EXPECT_EQ(cut.error().code, errc::unsupported);
-        EXPECT_EQ(gc->length(gs).value(), before);
-      }
+    for (auto& [gs, cs] : ids) {
+      ASSERT_EQ(gc->length(gs).value(), cc->length(cs).value());
+      const auto gi = gc->info(gs).value(), ci = cc->info(cs).value();
+      EXPECT_EQ(gi.store_groups, ci.store_groups);
+      EXPECT_EQ(gi.tail_tokens, ci.tail_tokens);
+      for (std::uint32_t l = 0; l < g.layers; ++l)
+        EXPECT_TRUE(decode(gc->view(gs, l).value(), g, true) == decode(cc->view(cs, l).value(), g, false)) << "layer " << l;
     }
+    EXPECT_EQ(gc->stats().store_tokens, cc->stats().store_tokens);
+    // A cut inside a store group is the documented gap: typed error, nothing changed.
+    auto& [gs, cs] = ids[0];
+    const auto info = gc->info(gs).value();
+    if (info.store_tokens >= 32) {
+      const std::size_t before = gc->length(gs).value();
+      const kvcache::result<void> cut = gc->truncate(gs, info.store_tokens - 5);
+      ASSERT_FALSE(cut.has_value());
+      EXPECT_EQ(cut.error().code, errc::unsupported);
+      EXPECT_EQ(gc->length(gs).value(), before);
+    }
+  }
 }
 
 TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {

@@ -161,6 +161,24 @@ TEST(cuda_validation, attend_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.tables[0].batch = 2; }), "table batch");
   expect_error(errc::invalid_argument, with([](auto& p) { p.max_splits[0] = 0; }), "max_splits");
   expect_error(errc::invalid_argument, with([](auto& p) { p.segments = 2; }), "second segment missing");
+  // Q4 pages: one whole group per kv head, 4-byte aligned.
+  auto q4 = [](kvcache::attend_params& p) { p.pages[0] = fake_pages(format::q4, 32); };
+  expect_error(errc::invalid_argument, with([&](auto& p) {
+                 q4(p);
+                 p.pages[0].k_head_stride = kvcache::q4_key_group_bytes(64) - 4;
+               }), "q4 key head stride below one group");
+  expect_error(errc::invalid_argument, with([&](auto& p) {
+                 q4(p);
+                 p.pages[0].v_head_stride = kvcache::q4_value_group_bytes(64) - 4;
+               }), "q4 value head stride below one group");
+  expect_error(errc::invalid_argument, with([&](auto& p) {
+                 q4(p);
+                 p.pages[0].k = static_cast<char*>(fake(4)) + 2;
+               }), "misaligned q4 keys");
+  expect_error(errc::invalid_argument, with([&](auto& p) {
+                 q4(p);
+                 p.pages[0].v_page_stride += 2;
+               }), "misaligned q4 value pages");
 }
 
 TEST(cuda_validation, attend_workspace_bytes) {
@@ -185,6 +203,12 @@ TEST(cuda_validation, migrate_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.src.k_format = format::f32; }), "f32 source");
   expect_error(errc::invalid_argument, with([](auto& p) { p.dst.v_format = format::f32; }), "f32 destination");
   expect_error(errc::invalid_argument, with([](auto& p) { p.layers = 0; }), "layers 0");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.dst.k_head_stride = kvcache::q4_key_group_bytes(64) - 4; }),
+               "q4 key head stride below one group");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.dst.v_head_stride = kvcache::q4_value_group_bytes(64) - 4; }),
+               "q4 value head stride below one group");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.dst_layer_stride_v = 6; }), "misaligned q4 value layers");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.dst.k = static_cast<char*>(fake(4)) + 1; }), "misaligned q4 keys");
 }
 
 }  // namespace

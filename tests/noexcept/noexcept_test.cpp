@@ -94,13 +94,13 @@ void test_isa_and_kernels() {
     const std::uint32_t tokens = 19, head_dim = 40;
     std::vector<kvcache::half> src(static_cast<std::size_t>(tokens) * head_dim);  // [token][head_dim]
     for (kvcache::half& v : src) v = kvcache::to_half(normal(rng));
-    std::vector<kvcache::q4_block> blocks(head_dim);  // [channel]{tokens}
-    k.quantize_keys(src.data(), head_dim, tokens, head_dim, blocks.data());
+    std::vector<std::uint8_t> group(kvcache::q4_key_group_bytes(head_dim));  // format.hpp's key group
+    k.quantize_keys(src.data(), head_dim, tokens, head_dim, group.data());
     std::vector<float> deq(src.size(), NAN);  // [token][head_dim]
-    k.dequantize_keys(blocks.data(), tokens, head_dim, deq.data(), head_dim);
+    k.dequantize_keys(group.data(), tokens, head_dim, deq.data(), head_dim);
     for (std::uint32_t t = 0; t < tokens; ++t) {
       for (std::uint32_t d = 0; d < head_dim; ++d) {
-        const float step = kvcache::to_float(blocks[d].scale);
+        const float step = kvcache::to_float(kvcache::q4_key_scales(group.data(), head_dim)[d]);
         const float err = std::fabs(deq[t * head_dim + d] - kvcache::to_float(src[t * head_dim + d]));
         NX_CHECK(err <= 0.5f * step + 1e-2f);
       }

@@ -27,9 +27,11 @@ namespace kvcache {
 /// Where one layer's K/V pages live in device memory. Trivially copyable; passed to kernels by value.
 /// Page p of kv head h: keys at k + p * k_page_stride + h * k_head_stride, laid out as
 /// - f32 / f16: [token][head_dim] dense elements (token < page_tokens);
-/// - q4 (page_tokens must be 32): q4_block[head_dim], block d = channel d over the page's tokens.
-/// Values likewise at v + p * v_page_stride + h * v_head_stride; q4 values are
-/// q4_block[token][q4_value_blocks(head_dim)].
+/// - q4 (page_tokens must be 32): one Q4 key group of the page's tokens (format.hpp),
+///   q4_key_group_bytes(head_dim) bytes.
+/// Values likewise at v + p * v_page_stride + h * v_head_stride; q4 values are one Q4 value group
+/// (format.hpp), q4_value_group_bytes(head_dim) bytes. Q4 pages (pointer and strides) must be
+/// 4-byte aligned, and with more than one kv head their head stride at least the group's bytes.
 struct device_pages {
   void* k = nullptr;
   void* v = nullptr;
@@ -110,7 +112,8 @@ struct attend_params {
 [[nodiscard]] std::size_t cuda_attend_workspace_bytes(const attend_params& p) noexcept;
 
 /// Validates and enqueues the two attention kernels (partial, merge). errc::invalid_argument for
-/// inconsistent shapes, errc::unsupported for head_dim > cuda_max_head_dim or q4 pages whose
+/// inconsistent shapes or Q4 pages that are misaligned or whose head stride is below the group
+/// bytes (see device_pages), errc::unsupported for head_dim > cuda_max_head_dim or q4 pages whose
 /// page_tokens is not 32; errc::device_error if a launch fails. Tokens past a sequence's table
 /// length are never read.
 [[nodiscard]] result<void> cuda_attend(const cuda& where, const attend_params& p);
@@ -118,11 +121,14 @@ struct attend_params {
 /// Most (source, destination) page pairs one migrate launch takes.
 inline constexpr std::uint32_t cuda_max_migrations = 32;
 
-/// Q4 migration: quantizes FP16 pages of up to 32 tokens into Q4 pages (keys per channel over
-/// the tokens, values per token over 32 channels), bit-identical to the scalar CPU reference
-/// (kernels::find(isa::scalar)->quantize_keys / quantize_values); a destination in f16 (an FP16
-/// store group) receives a plain copy. One launch covers `count` page pairs for `layers` layers:
-/// layer l's pages are at src/dst base + l * layer_stride.
+/// Q4 migration: quantizes FP16 pages of up to 32 tokens into Q4 pages (one key group and one
+/// value group per kv head, format.hpp: keys per channel over the tokens, values per token over
+/// 32 channels), every byte of each group written bit-identical to the scalar CPU reference
+/// (kernels::find(isa::scalar)->quantize_keys / quantize_values, which zero the codes, scales and
+/// minimums of missing tokens and padding channels); a destination in f16 (an FP16 store group)
+/// receives a plain copy of the `tokens` rows. One launch covers `count` page pairs for `layers`
+/// layers: layer l's pages are at src/dst base + l * layer_stride. Q4 destinations follow
+/// device_pages' rules (4-byte aligned, layer strides included; head stride >= group bytes).
 struct migrate_params {
   device_pages src;            ///< f16 pages
   device_pages dst;            ///< q4 or f16 pages (page_tokens 32), formats chosen for K and V separately

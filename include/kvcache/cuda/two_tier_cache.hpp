@@ -2,7 +2,8 @@
 /// @file cuda/two_tier_cache.hpp
 /// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md).
 /// two_tier_cache<cuda>: recent tokens in an FP16 tail, older ones in 32-token store groups (Q4 or
-/// FP16, keys per channel over 32 tokens, values per token over 32 channels), in device memory.
+/// FP16, keys per channel over 32 tokens, values per token over 32 channels; a Q4 group of a kv
+/// head is the packed key or value group of format.hpp, as on the cpu), in device memory.
 /// Same configuration type, protocol and errors as two_tier_cache<cpu>, with these differences
 /// (each checked, with a typed error, never silently different):
 /// - create() needs max_sequences > 0 and max_tokens > 0: device memory is allocated up front,
