@@ -7,6 +7,8 @@
 #include <kvcache/format.hpp>
 #include <kvcache/kernels.hpp>
 
+#include <algorithm>
+#include <limits>
 #include <string>
 
 namespace {
@@ -207,6 +209,41 @@ void accumulate_q4(benchmark::State& s, const kernels::table* t, std::uint32_t n
   s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
 }
 
+// table::attend_q4, one online-softmax step per group of 32 tokens, nq queries of one kv head:
+// over every head's groups of the 32k context (streamed from memory), or over `cached_groups` of
+// one head again and again (in L2: the kernel's compute alone). q gives base-2 logits of the
+// spread a 1 / sqrt(head_dim) scale makes.
+constexpr std::uint32_t cached_groups = 8;
+void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq, bool cached) {
+  const std::uint8_t* k = q4_keys();
+  const std::uint8_t* v = q4_values();
+  kb::buffer q(std::size_t{nq} * head_dim * sizeof(float)), acc(std::size_t{nq} * head_dim * sizeof(float)),
+      run(std::size_t{2} * nq * sizeof(float));
+  kb::fill_normal(q.as<float>(), std::size_t{nq} * head_dim, 1.4427f / 11.3f);
+  float* run_max = run.as<float>();
+  float* run_sum = run_max + nq;
+  const std::uint32_t groups = cached ? cached_groups : ctx_groups, hs = cached ? 1 : heads;
+  std::size_t steps = 0;
+  for (auto _ : s) {
+    for (std::uint32_t h = 0; h < hs; ++h) {
+      for (std::uint32_t i = 0; i < nq; ++i) {
+        run_max[i] = -std::numeric_limits<float>::infinity();
+        run_sum[i] = 0.0f;
+      }
+      std::fill_n(acc.as<float>(), std::size_t{nq} * head_dim, 0.0f);
+      for (std::uint32_t g = 0; g < groups; ++g) {
+        const std::size_t at = std::size_t{h} * ctx_groups + g;
+        t->attend_q4(q.as<float>(), nq, k + at * key_group, v + at * value_group, 32, head_dim, run_max, run_sum,
+                     acc.as<float>(), {});
+      }
+      steps += groups;
+    }
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(steps * (key_group + value_group)));
+  s.SetItemsProcessed(i64(steps * 32));
+}
+
 template <class F>
 void add(const std::string& name, F f) {
   benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -230,6 +267,13 @@ void add(const std::string& name, F f) {
       add("BM_accumulate/f16/" + suffix, [t, nq](benchmark::State& s) { accumulate_dense<half>(s, t, nq); });
       add("BM_accumulate/f32/" + suffix, [t, nq](benchmark::State& s) { accumulate_dense<float>(s, t, nq); });
       add("BM_accumulate/q4/" + suffix, [t, nq](benchmark::State& s) { accumulate_q4(s, t, nq); });
+    }
+    if (t->attend_q4 != nullptr) {
+      for (std::uint32_t nq : {1u, 4u}) {
+        const std::string suffix = is + "/nq:" + std::to_string(nq);
+        add("BM_attend_step/q4/" + suffix + "/l2", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, true); });
+        add("BM_attend_step/q4/" + suffix + "/dram", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, false); });
+      }
     }
     // Where the fastest table is int8 for Q4 (VNNI), the float Q4 kernels too, to compare.
     const kernels::table* tf = kernels::find(i, kernels::q4_arith::float32);

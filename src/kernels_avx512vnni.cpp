@@ -125,6 +125,51 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 
 // ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
 
+// acc[i][r] += the integer dot products of query i's int8 channels ys[i * key_chunk ..] with the
+// codes of tokens 16 r .. 16 r + 15 (those of 16 .. 31 times 16), over `quads` channel quads from
+// `codes`. Two sets of accumulators (even and odd quads) halve the chains of dependent vpdpbusd.
+// Out of line: inlined into the fused step, GCC 12 kept the accumulators in memory, a load and a
+// store around every vpdpbusd.
+template <unsigned NQ>
+__attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quads, const std::int8_t* ys,
+                                        __m512i (&acc)[NQ][2], line_prefetch& pfr) {
+  line_prefetch pf = pfr;
+  const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i a[2][NQ][2];
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    a[0][i][0] = acc[i][0];
+    a[0][i][1] = acc[i][1];
+    a[1][i][0] = a[1][i][1] = _mm512_setzero_si512();
+  }
+  auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
+    const __m512i x = _mm512_loadu_si512(codes + 64 * j);
+    const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512i yb = _mm512_set1_epi32(dword_at(ys + i * key_chunk + 4 * j));
+      dpbusd(a[u][i][0], lo, yb);
+      dpbusd(a[u][i][1], hi16, yb);
+    }
+  };
+  unsigned j = 0;
+  for (; j + 2 <= quads; j += 2) {
+    if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
+    quad(j, 0);
+    quad(j + 1, 1);
+  }
+  if (j < quads) {
+    pf.rows(1);
+    quad(j, 0);
+  }
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    acc[i][0] = _mm512_add_epi32(a[0][i][0], a[1][i][0]);
+    acc[i][1] = _mm512_add_epi32(a[0][i][1], a[1][i][1]);
+  }
+  pfr = pf;
+}
+
 // sc[i][r]: the scores of query i, tokens 16 r .. 16 r + 15 (all 32 of the group's lanes).
 // `between` runs after the first pass, where the horizontal maximum and the division that follow
 // leave the vector pipes idle: the caller's work that does not depend on the scores.
@@ -168,18 +213,16 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
                                              _mm512_set1_ps(127.0f), mx));
   }
 
-  // Pass 2: Y of a chunk of channels, then the integer dot products over it. Two sets of
-  // accumulators (even and odd channel quads) halve the chains of dependent vpdpbusd.
-  __m512i acc[2][NQ][2], ysum[4];
+  // Pass 2: Y of a chunk of channels, then the integer dot products over it (key_dots).
+  __m512i acc[NQ][2], ysum[4];
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) acc[0][i][0] = acc[0][i][1] = acc[1][i][0] = acc[1][i][1] = _mm512_setzero_si512();
+  for (unsigned i = 0; i < NQ; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) ysum[i] = _mm512_setzero_si512();
   alignas(64) std::int8_t ys[NQ][key_chunk];
   alignas(64) float base[16];
   const __m512i order = _mm512_load_si512(low_bytes.b);
   std::uint32_t blocks = 0;  // of 32 channels: each adds round_magic's bits twice to every lane of ysum
-  const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     for (unsigned j = 0; j < nd; j += 32) {
@@ -224,34 +267,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
     // The chunk's channel quads, each one 64-byte row: dword j = its four channels' codes of
     // token j (low nibbles) and j + 16 (high nibbles, left in place: codes times 16). The last
     // quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0 there.
-    const std::uint8_t* codes = k + std::size_t{16} * c0;
-    const unsigned quads = (nd + 3) / 4;
-    unsigned j = 0;
-    for (; j + 2 <= quads; j += 2) {
-      if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
-#pragma GCC unroll 2
-      for (unsigned u = 0; u < 2; ++u) {
-        const __m512i x = _mm512_loadu_si512(codes + 64 * (j + u));
-        const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
-#pragma GCC unroll 8
-        for (unsigned i = 0; i < NQ; ++i) {
-          const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * (j + u)));
-          dpbusd(acc[u][i][0], lo, yb);
-          dpbusd(acc[u][i][1], hi16, yb);
-        }
-      }
-    }
-    if (j < quads) {
-      pf.rows(1);
-      const __m512i x = _mm512_loadu_si512(codes + 64 * j);
-      const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
-#pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) {
-        const __m512i yb = _mm512_set1_epi32(dword_at(ys[i] + 4 * j));
-        dpbusd(acc[0][i][0], lo, yb);
-        dpbusd(acc[0][i][1], hi16, yb);
-      }
-    }
+    key_dots<NQ>(k + std::size_t{16} * c0, (nd + 3) / 4, &ys[0][0], acc, pf);
   }
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
@@ -259,7 +275,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const std::
     // Tokens 16..31 were summed with their codes times 16.
 #pragma GCC unroll 2
     for (unsigned r = 0; r < 2; ++r)
-      sc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][i][r], acc[1][i][r])),
+      sc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][r]),
                                  _mm512_set1_ps(r == 0 ? scale[4 * i] : scale[4 * i] * 0.0625f), bs);
   }
   pfr = pf;
