@@ -163,7 +163,7 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // calls of the current chunk rather than issued at once: a burst of a whole chunk (640 lines for
 // a Q4 group of 8 heads x 128) overflows the core's miss buffers, the prefetches past them are
 // dropped, and that measured no faster than no prefetch at all. Large chunks (a contiguous
-// cache) are streamed well by the hardware alone.
+// cache) are streamed well by the hardware alone. All of it goes to L2 (see row_prefetch.inl).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
 
@@ -197,7 +197,7 @@ class prefetch_stream {
   // Issues a region taken but not handed to a kernel.
   static void issue(kernels::prefetch_region r) {
     const auto* p = static_cast<const std::byte*>(r.p);
-    for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
   }
   // One call's share of lines as a region for a dense kernel to spread over its rows: contiguous
   // bytes, across consecutive heads where they are adjacent in memory; what does not fit stays
@@ -232,7 +232,7 @@ class prefetch_stream {
     while (n > 0) {
       const std::byte* p = values_ ? a_->v_head(h_) : a_->k_head(h_);
       const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
-      for (; n > 0 && off_ < bytes; --n, off_ += 64) __builtin_prefetch(p + off_, 0, 3);
+      for (; n > 0 && off_ < bytes; --n, off_ += 64) __builtin_prefetch(p + off_, 0, 2);
       if (off_ < bytes) return;
       next_head();
       if (a_ == nullptr) return;
