@@ -307,51 +307,64 @@ struct column_weights {
   alignas(64) float base[16];                          // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
 };
 
-// acc[i][0..ch) of one column += its share of sum_t p_t v_t, over token quads [q0, q1) of the
-// column's codes (a 64-byte row each: dword j = channel byte j of the quad's four tokens). The
-// codes enter centred and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for the high
-// nibbles (channels 16..31), the same of x << 4 for the low ones (channels 0..15).
-// Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
-template <unsigned NQ>
-__attribute__((noinline)) void value_column(const std::uint8_t* codes, unsigned q0, unsigned q1, const std::uint8_t* w,
-                                            std::size_t w_stride, const float* step, const float* base,
-                                            std::size_t sb_stride, unsigned ch, float* acc, std::size_t acc_stride,
-                                            line_prefetch& pfr) {
+// acc[i][32 c .. 32 c + 32) (up to hd_left channels from the first column's) += column c's share
+// of sum_t p_t v_t, for NC (1, 2) adjacent columns, over token quads [q0, q1) of their codes (a
+// 64-byte row each: dword j = channel byte j of the quad's four tokens). The codes enter centred
+// and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for the high nibbles (channels
+// 16..31), the same of x << 4 for the low ones (channels 0..15). Weights of query i, column c at
+// w + i * w_stride + 32 c; step, base of query i, column c at [i * sb_stride + c].
+// Two columns a call: 4 NQ independent chains of vpdpbusd (latency 4) rather than 2 NQ, and half
+// the calls. Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
+template <unsigned NQ, unsigned NC>
+__attribute__((noinline)) void value_columns_of(const std::uint8_t* codes, unsigned q0, unsigned q1,
+                                                const std::uint8_t* w, std::size_t w_stride, const float* step,
+                                                const float* base, std::size_t sb_stride, unsigned hd_left, float* acc,
+                                                std::size_t acc_stride, line_prefetch& pfr) {
   line_prefetch pf = pfr;
   const __m512i nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i a0[NQ], a1[NQ];
+  __m512i a0[NC][NQ], a1[NC][NQ];
+#pragma GCC unroll 2
+  for (unsigned c = 0; c < NC; ++c)
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
+    for (unsigned i = 0; i < NQ; ++i) a0[c][i] = a1[c][i] = _mm512_setzero_si512();
   auto quad = [&](unsigned j) __attribute__((always_inline)) {
-    const __m512i x = _mm512_loadu_si512(codes + 64 * j);
-    // (a & b) ^ c: imm 0x6A.
-    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
-    const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
+#pragma GCC unroll 2
+    for (unsigned c = 0; c < NC; ++c) {
+      const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
+      // (a & b) ^ c: imm 0x6A.
+      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
+      const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
 #pragma GCC unroll 8
-    for (unsigned i = 0; i < NQ; ++i) {
-      const __m512i wi = _mm512_set1_epi32(dword_at(w + i * w_stride + 4 * j));
-      dpbusd(a0[i], wi, lo);
-      dpbusd(a1[i], wi, hi);
+      for (unsigned i = 0; i < NQ; ++i) {
+        const __m512i wi = _mm512_set1_epi32(dword_at(w + i * w_stride + 32 * c + 4 * j));
+        dpbusd(a0[c][i], wi, lo);
+        dpbusd(a1[c][i], wi, hi);
+      }
     }
   };
   unsigned j = q0;
-  for (; j + 4 <= q1; j += 4) {
-    pf.rows(4);
+  for (; j + 2 <= q1; j += 2) {
+    pf.rows(2 * NC);
     quad(j);
     quad(j + 1);
-    quad(j + 2);
-    quad(j + 3);
   }
-  if (j < q1) pf.rows(q1 - j);
-  for (; j < q1; ++j) quad(j);
-  const __mmask16 m0 = lanes_mask(lanes(ch, 0)), m1 = lanes_mask(lanes(ch, 1));
+  if (j < q1) {
+    pf.rows(NC);
+    quad(j);
+  }
+#pragma GCC unroll 2
+  for (unsigned c = 0; c < NC; ++c) {
+    const unsigned ch = hd_left - 32 * c < 32 ? hd_left - 32 * c : 32;
+    const __mmask16 m0 = lanes_mask(lanes(ch, 0)), m1 = lanes_mask(lanes(ch, 1));
 #pragma GCC unroll 8
-  for (unsigned i = 0; i < NQ; ++i) {
-    const __m512 st = _mm512_set1_ps(step[i * sb_stride]), bs = _mm512_set1_ps(base[i * sb_stride]);
-    float* o = acc + i * acc_stride;
-    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), st, bs)));
-    _mm512_mask_storeu_ps(o + 16, m1,
-                          _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), st, bs)));
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512 st = _mm512_set1_ps(step[i * sb_stride + c]), bs = _mm512_set1_ps(base[i * sb_stride + c]);
+      float* o = acc + i * acc_stride + 32 * c;
+      _mm512_mask_storeu_ps(o, m0,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[c][i]), st, bs)));
+      _mm512_mask_storeu_ps(
+          o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[c][i]), st, bs)));
+    }
   }
   pfr = pf;
 }
@@ -469,11 +482,13 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], co
     // Lane 4 i + c: the base and step of query i, column g0 + c.
     _mm512_store_ps(cw.base, _mm512_mul_ps(sum16(bsum), us));
     _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
-    for (unsigned c = 0; c < nc; ++c) {
-      const unsigned g = g0 + c, ch = hd - 32 * g < 32 ? hd - 32 * g : 32;
-      value_column<NQ>(v + std::size_t{512} * g, q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, ch,
-                       acc + 32 * g, hd, pf);
-    }
+    unsigned c = 0;
+    for (; c + 2 <= nc; c += 2)
+      value_columns_of<NQ, 2>(v + std::size_t{512} * (g0 + c), q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c,
+                              cw.base + c, 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+    if (c < nc)
+      value_columns_of<NQ, 1>(v + std::size_t{512} * (g0 + c), q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c,
+                              cw.base + c, 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
   }
 }
 
