@@ -10,9 +10,10 @@
 // Every software prefetch of this library's CPU kernels is to L2 (locality 2: prefetcht1,
 // prfm pldl2keep), not to L1: measured on Zen 5 at 32k tokens (interleaved runs), prefetcht0 made
 // decode attention 1.6 to 1.7 times slower for a contiguous f16 cache and 1.5 times for the
-// two-tier Q4 one. Prefetches into L1 hold its few miss buffers for the whole trip to memory,
-// and the demand loads of the rows being worked on wait behind them; from L2 the hardware's own
-// L1 prefetcher and the out-of-order window cover the remaining latency.
+// two-tier Q4 one, on a day of the shared VM with high memory latency (on a faster day, L2 and
+// L1 measured the same). The likely reason: prefetches into L1 hold its few miss buffers for the
+// whole trip to memory, and the demand loads of the rows being worked on wait behind them; from
+// L2, the hardware's L1 prefetcher and the out-of-order window cover the rest of the latency.
 class row_prefetch {
  public:
   row_prefetch(kernels::prefetch_region r, unsigned rows) noexcept {
