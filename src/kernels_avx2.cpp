@@ -58,6 +58,10 @@ struct V {
   }
   static void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
   static void store_n(float* p, vf x, unsigned n) { _mm256_maskstore_ps(p, mask(n), x); }
+  // Lanes 4 g .. 4 g + 3 of x to p[0..3].
+  static void store4(float* p, vf x, unsigned g) {
+    _mm_storeu_ps(p, g == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
+  }
   static __m128i to_ph(vf x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static void store(half* p, vf x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_ph(x)); }
   static void store_n(half* p, vf x, unsigned n) {
@@ -74,21 +78,9 @@ struct V {
   static vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
   static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
   static float hsum(vf x) { return hsum8(x); }
-  // Transposing reduction tree: (permute, permute, op) then two levels of (shuffle, shuffle, op).
-  // Lane 4h + l of the result combines input 2l + h, so inputs are fed in that order to get
-  // lane j = op over v[j].
+  // Transposing reduction trees (avx2_horizontal.inl): lane j = op over v[j].
   template <class Op>
-  static vf tree(const vf* v, Op op) {
-    vf u[8];
-    for (unsigned m = 0; m < 8; ++m) u[m] = v[(m % 2) * 4 + m / 2];
-    vf a[4], b[2];
-    for (unsigned k = 0; k < 4; ++k)
-      a[k] = op(_mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x20), _mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x31));
-    for (unsigned k = 0; k < 2; ++k)
-      b[k] = op(_mm256_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                _mm256_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return op(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
+  static vf tree(const vf* v, Op op) { return tree8(v, op); }
   static vf reduce(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_add_ps(a, b); }); }
   static vf reduce_min(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_min_ps(a, b); }); }
   static vf reduce_max(const vf* v) { return tree(v, [](vf a, vf b) { return _mm256_max_ps(a, b); }); }

@@ -1,0 +1,129 @@
+// Dense decode-attention scores (out[i][t] = q_i . k_t over f16 or f32 keys), written against the
+// vector interface `V` of kernels_simd.inl (it uses W, zero, load, load_n, fma, hsum, reduce and the
+// tuning constants score_queries, score_acc; with V::store4 the sums of four tokens go out as one
+// 4-lane store per query). kernels_simd.inl includes it for every ISA; kernels_avx512.cpp includes it
+// a second time with 256-bit vectors (see there). Included inside the includer's anonymous
+// namespace after `V`, `vf`, `W`, umin/umax and row_prefetch.
+
+// ---- dense scores: out[i][t] = q_i . k_t ----------------------------------------------------------
+
+// Horizontal sums of J accumulators into r[J], W at a time through V::reduce.
+template <unsigned J>
+[[gnu::always_inline]] inline
+void sums_of(const vf* acc, float* r) {
+  if constexpr (J <= 2) {
+    for (unsigned j = 0; j < J; ++j) r[j] = V::hsum(acc[j]);
+  } else {
+    for (unsigned j0 = 0; j0 < J; j0 += W) {
+      vf part[W];
+      for (unsigned j = 0; j < W; ++j) part[j] = j0 + j < J ? acc[j0 + j] : V::zero();
+      float buf[W];
+      V::store(buf, V::reduce(part));
+      for (unsigned j = 0; j < W && j0 + j < J; ++j) r[j0 + j] = buf[j];
+    }
+  }
+}
+
+// X, as a type that depends on a template parameter: V::store4 is then looked up only where used.
+template <class X, class>
+struct dependent {
+  using type = X;
+};
+
+// NQ queries x T tokens, all accumulators in registers; K rows are read once for all queries.
+template <unsigned NQ, unsigned T, class K>
+void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_t out_stride) {
+  using VK = typename dependent<V, K>::type;
+  vf acc[NQ * T];
+#pragma GCC unroll 32
+  for (unsigned j = 0; j < NQ * T; ++j) acc[j] = V::zero();
+  unsigned d = 0;
+  for (; d + W <= hd; d += W) {
+#pragma GCC unroll 16
+    for (unsigned t = 0; t < T; ++t) {
+      const vf kv = V::load(k + t * hd + d);
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i) acc[i * T + t] = V::fma(V::load(q + i * hd + d), kv, acc[i * T + t]);
+    }
+  }
+  if (d < hd) {
+    const unsigned n = hd - d;
+#pragma GCC unroll 16
+    for (unsigned t = 0; t < T; ++t) {
+      const vf kv = V::load_n(k + t * hd + d, n);
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i) acc[i * T + t] = V::fma(V::load_n(q + i * hd + d, n), kv, acc[i * T + t]);
+    }
+  }
+  if constexpr (T == 4 && (NQ * T) % W == 0 && W % 4 == 0 && requires(float* p, vf x) { VK::store4(p, x, 0u); }) {
+    // Lanes 4 g + t of the sums of acc[j0 ..] are token t of query (j0 / 4 + g): one store each.
+#pragma GCC unroll 8
+    for (unsigned j0 = 0; j0 < NQ * T; j0 += W) {
+      const vf r = V::reduce(acc + j0);
+#pragma GCC unroll 4
+      for (unsigned g = 0; g < W / 4; ++g) VK::store4(out + (j0 / 4 + g) * out_stride, r, g);
+    }
+  } else {
+    float r[NQ * T];
+    sums_of<NQ * T>(acc, r);
+    for (unsigned i = 0; i < NQ; ++i)
+      for (unsigned t = 0; t < T; ++t) out[i * out_stride + t] = r[i * T + t];
+  }
+}
+
+// pf (null after the first pass of queries) advances with the rows.
+template <unsigned NQ, class K>
+void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               row_prefetch* pf) {
+  constexpr unsigned T = umax(1u, V::score_acc / NQ);
+  unsigned t = 0;
+  for (; t + T <= tokens; t += T) {
+    if (pf != nullptr) pf->rows(T);
+    scores_tile<NQ, T>(q, k + t * hd, hd, out + t, out_stride);
+  }
+  for (; t < tokens; ++t) {
+    if (pf != nullptr) pf->rows(1);
+    scores_tile<NQ, 1>(q, k + t * hd, hd, out + t, out_stride);
+  }
+}
+
+template <class K>
+void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
+                  std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
+  row_prefetch pf(region, tokens);
+  // Token tiles small enough to stay in L1 while the query passes loop over them.
+  const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
+  for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
+    const unsigned nt = umin(tile, tokens - t0);
+    // Queries in balanced passes of at most V::score_queries (6 = 3 + 3 rather than 4 + 2).
+    for (unsigned i0 = 0; i0 < nq;) {
+      const unsigned rest = nq - i0, passes = (rest + V::score_queries - 1) / V::score_queries;
+      const unsigned n = (rest + passes - 1) / passes;
+      const float* qi = q + std::size_t(i0) * head_dim;
+      const K* kt = k + std::size_t(t0) * head_dim;
+      float* o = out + i0 * out_stride + t0;
+      row_prefetch* p = i0 == 0 ? &pf : nullptr;
+      i0 += n;
+      switch (n) {
+        case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 4: scores_nq<4>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 5: scores_nq<5>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 6: scores_nq<6>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 7: scores_nq<7>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        default: scores_nq<8>(qi, kt, nt, head_dim, o, out_stride, p); break;
+      }
+    }
+  }
+}
+
+void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
+}
+
+void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
+                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
+}
