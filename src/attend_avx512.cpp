@@ -74,17 +74,21 @@ void block(const float* p, std::size_t p_stride, const value_segment* segs, std:
     for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + i * hd + c0 + 16 * u, a[i][u]);
 }
 
-// The region is prefetched over the rows of the first pass of channels.
+// The region's prefetches are spread over all the passes of channels: measured on Zen 4 at 32k
+// tokens (interleaved runs), a contiguous f16 cache 1.12x (1 thread) and 1.2x (2 threads) faster
+// than with them all in the first pass, whose burst of requests (a whole tile's rows in half the
+// time) queues the loads of the rows being worked on behind them.
 template <class T, int G>
 void all_blocks(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
                 std::uint32_t hd, float* acc, kernels::prefetch_region region) {
   constexpr int NV = G >= 8 ? 2 : 4;  // G * NV <= 16 accumulators
   std::uint32_t rows = 0;
   for (std::uint32_t i = 0; i < count; ++i) rows += segs[i].tokens;
-  row_prefetch pf(region, rows);
+  const std::uint32_t passes = hd / (16 * NV) + hd % (16 * NV) / 16;
+  row_prefetch pf(region, rows * passes);
   std::uint32_t c0 = 0;
-  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc, c0 == 0 ? &pf : nullptr);
-  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc, c0 == 0 ? &pf : nullptr);
+  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc, &pf);
+  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc, &pf);
 }
 
 template <class T>

@@ -361,16 +361,20 @@ void acc_tile_any(const float* p, std::size_t p_stride, const Vt* v, unsigned to
   else acc_tile<NQ, ND, true>(p, p_stride, v, tokens, hd, d0, last, acc, pf);
 }
 
-// pf (null after the first pass of queries) advances with the rows of the first channel group.
+// Vectors of channels per accumulate tile for nq queries, and the channel groups of head_dim.
+constexpr unsigned acc_vectors(unsigned nq) { return umax(1u, umin(4u, V::acc_regs / nq)); }
+constexpr unsigned acc_groups(unsigned nq, unsigned hd) { return (hd + acc_vectors(nq) * W - 1) / (acc_vectors(nq) * W); }
+
+// pf advances with the rows of every channel group.
 template <unsigned NQ, class Vt>
 void acc_nq(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd, float* acc,
             row_prefetch* pf) {
-  constexpr unsigned ND = umax(1u, umin(4u, V::acc_regs / NQ));
+  constexpr unsigned ND = acc_vectors(NQ);
   for (unsigned d0 = 0; d0 < hd; d0 += ND * W) {
     const unsigned rest = hd - d0;
     const unsigned nv = umin(ND, (rest + W - 1) / W);  // vectors in this channel group
     const unsigned last = rest - (nv - 1) * W < W ? rest - (nv - 1) * W : W;
-    row_prefetch* f = d0 == 0 ? pf : nullptr;
+    row_prefetch* f = pf;
     switch (nv) {
       case 1: acc_tile_any<NQ, 1>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
       case 2: acc_tile_any<NQ, umin(2u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
@@ -383,7 +387,16 @@ void acc_nq(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, 
 template <class Vt>
 void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, const Vt* v,
                       std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region region) {
-  row_prefetch pf(region, tokens);
+  // The region is spread over all the work, every row of every pass over queries and channels
+  // (measured against a burst during the first pass: see all_blocks in attend_avx512.cpp).
+  unsigned steps = 0;
+  for (unsigned i0 = 0; i0 < nq;) {
+    const unsigned rest = nq - i0, passes = (rest + V::acc_queries - 1) / V::acc_queries;
+    const unsigned n = (rest + passes - 1) / passes;
+    steps += acc_groups(n, head_dim);
+    i0 += n;
+  }
+  row_prefetch pf(region, tokens * steps);
   const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(Vt))));
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
     const unsigned nt = umin(tile, tokens - t0);
@@ -394,7 +407,7 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
       const unsigned n = (rest + passes - 1) / passes;
       const float* pi = p + i0 * p_stride + t0;
       float* a = acc + std::size_t(i0) * head_dim;
-      row_prefetch* f = i0 == 0 ? &pf : nullptr;
+      row_prefetch* f = &pf;
       i0 += n;
       switch (n) {
         case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a, f); break;

@@ -71,7 +71,7 @@ void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_
   }
 }
 
-// pf (null after the first pass of queries) advances with the rows.
+// pf advances with the rows.
 template <unsigned NQ, class K>
 void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
                row_prefetch* pf) {
@@ -90,7 +90,9 @@ void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* 
 template <class K>
 void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
                   std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
-  row_prefetch pf(region, tokens);
+  // The region is spread over all the work, every row of every query pass, as a steady stream of
+  // requests rather than a burst (see all_blocks in attend_avx512.cpp).
+  row_prefetch pf(region, tokens * ((nq + V::score_queries - 1) / V::score_queries));
   // Token tiles small enough to stay in L1 while the query passes loop over them.
   const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
@@ -102,7 +104,7 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
       const float* qi = q + std::size_t(i0) * head_dim;
       const K* kt = k + std::size_t(t0) * head_dim;
       float* o = out + i0 * out_stride + t0;
-      row_prefetch* p = i0 == 0 ? &pf : nullptr;
+      row_prefetch* p = &pf;
       i0 += n;
       switch (n) {
         case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride, p); break;
