@@ -29,7 +29,7 @@
 // against the four tokens' u8 weights broadcast as a dword. Scales and minimums are contiguous
 // halves: over channels for keys, over the group's tokens per column for values.
 //
-// Measured on Zen 5 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
+// Measured on Zen 4 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
 // float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
 // cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
 // horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the

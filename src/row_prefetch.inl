@@ -3,12 +3,12 @@
 // kernels_internal.hpp), where kvcache::kernels::prefetch_region is visible.
 
 // The lines of a prefetch_region issued a few per row of the kernel's work: `rows` rows in all,
-// ceil(lines / rows) lines at each of them. Measured on Zen 5: a contiguous cache's next tile
+// ceil(lines / rows) lines at each of them. Measured on Zen 4: a contiguous cache's next tile
 // prefetched this way during the current one nearly doubles decode attention at 32k tokens, while
 // the same lines issued in one burst per call (or one line in 2..8) made it slower than none.
 //
 // Every software prefetch of this library's CPU kernels is to L2 (locality 2: prefetcht1,
-// prfm pldl2keep), not to L1: measured on Zen 5 at 32k tokens (interleaved runs), prefetcht0 made
+// prfm pldl2keep), not to L1: measured on Zen 4 at 32k tokens (interleaved runs), prefetcht0 made
 // decode attention 1.6 to 1.7 times slower for a contiguous f16 cache and 1.5 times for the
 // two-tier Q4 one, on a day of the shared VM with high memory latency (on a faster day, L2 and
 // L1 measured the same). The likely reason: prefetches into L1 hold its few miss buffers for the
