@@ -49,10 +49,10 @@ inline __m512 load16(const std::uint16_t* p) {
 }
 
 // Channels [c0, c0 + 16 NV) of G queries, over every segment.
-// pf, when not null, advances with the rows.
+// pf advances with the rows.
 template <class T, int G, int NV>
 void block(const float* p, std::size_t p_stride, const value_segment* segs, std::uint32_t count,
-           std::uint32_t hd, std::uint32_t c0, float* acc, row_prefetch* pf) {
+           std::uint32_t hd, std::uint32_t c0, float* acc, row_prefetch& pf) {
   __m512 a[G][NV];
   for (int i = 0; i < G; ++i)
     for (int u = 0; u < NV; ++u) a[i][u] = _mm512_loadu_ps(acc + i * hd + c0 + 16 * u);
@@ -61,7 +61,7 @@ void block(const float* p, std::size_t p_stride, const value_segment* segs, std:
     const float* pp = p + segs[sgi].p_offset;
     const std::uint32_t n = segs[sgi].tokens;
     for (std::uint32_t t = 0; t < n; ++t) {
-      if (pf != nullptr) pf->rows(1);
+      pf.rows(1);
       __m512 x[NV];
       for (int u = 0; u < NV; ++u) x[u] = load16(v + static_cast<std::size_t>(t) * hd + 16 * u);
       for (int i = 0; i < G; ++i) {
@@ -87,8 +87,8 @@ void all_blocks(const float* p, std::size_t p_stride, const value_segment* segs,
   const std::uint32_t passes = hd / (16 * NV) + hd % (16 * NV) / 16;
   row_prefetch pf(region, rows * passes);
   std::uint32_t c0 = 0;
-  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc, &pf);
-  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc, &pf);
+  for (; c0 + 16 * NV <= hd; c0 += 16 * NV) block<T, G, NV>(p, p_stride, segs, count, hd, c0, acc, pf);
+  for (; c0 < hd; c0 += 16) block<T, G, 1>(p, p_stride, segs, count, hd, c0, acc, pf);
 }
 
 template <class T>

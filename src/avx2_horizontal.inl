@@ -15,6 +15,11 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lanes 4 g .. 4 g + 3 of x (g = 0 or 1) to p[0..3].
+inline void store_quad8(float* p, __m256 x, unsigned g) {
+  _mm_storeu_ps(p, g == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
+}
+
 // Transposing reduction of 8 vectors: lane j of the result = op over the lanes of v[j]. Each of
 // its three levels pairs vectors x, y with one shuffle and one blend, where a classic tree takes
 // two shuffles: shuffle(x, y) + blend(x, y) holds x's lanes folded in half on one side and y's

@@ -59,9 +59,7 @@ struct V {
   static void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
   static void store_n(float* p, vf x, unsigned n) { _mm256_maskstore_ps(p, mask(n), x); }
   // Lanes 4 g .. 4 g + 3 of x to p[0..3].
-  static void store4(float* p, vf x, unsigned g) {
-    _mm_storeu_ps(p, g == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
-  }
+  static void store4(float* p, vf x, unsigned g) { store_quad8(p, x, g); }
   static __m128i to_ph(vf x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static void store(half* p, vf x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_ph(x)); }
   static void store_n(half* p, vf x, unsigned n) {

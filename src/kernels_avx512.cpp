@@ -154,9 +154,7 @@ struct V {
   static vf load_n(const float* p, unsigned n) { return _mm256_maskz_loadu_ps(mask(n), p); }
   static vf load_n(const half* p, unsigned n) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask(n), p)); }
   static void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
-  static void store4(float* p, vf x, unsigned g) {
-    _mm_storeu_ps(p, g == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
-  }
+  static void store4(float* p, vf x, unsigned g) { store_quad8(p, x, g); }
   static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
   static float hsum(vf x) { return hsum8(x); }
   static vf reduce(const vf* v) { return tree8(v, [](vf a, vf b) { return _mm256_add_ps(a, b); }); }

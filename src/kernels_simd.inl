@@ -322,7 +322,7 @@ void dequantize_values(const std::uint8_t* src, std::uint32_t first, std::uint32
 // vector holds `last` lanes (< W only when Partial).
 template <unsigned NQ, unsigned ND, bool Partial, class Vt>
 void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd,
-              unsigned d0, unsigned last, float* acc, row_prefetch* pf) {
+              unsigned d0, unsigned last, float* acc, row_prefetch& pf) {
   vf a[NQ * ND];
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i)
@@ -332,7 +332,7 @@ void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens
       a[i * ND + c] = (Partial && c == ND - 1) ? V::load_n(src, last) : V::load(src);
     }
   for (unsigned t = 0; t < tokens; ++t) {
-    if (pf != nullptr) pf->rows(1);
+    pf.rows(1);
     vf w[NQ];
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) w[i] = V::set1(p[i * p_stride + t]);
@@ -356,7 +356,7 @@ void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens
 
 template <unsigned NQ, unsigned ND, class Vt>
 void acc_tile_any(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd,
-                  unsigned d0, unsigned last, float* acc, row_prefetch* pf) {
+                  unsigned d0, unsigned last, float* acc, row_prefetch& pf) {
   if (last == W) acc_tile<NQ, ND, false>(p, p_stride, v, tokens, hd, d0, last, acc, pf);
   else acc_tile<NQ, ND, true>(p, p_stride, v, tokens, hd, d0, last, acc, pf);
 }
@@ -368,18 +368,17 @@ constexpr unsigned acc_groups(unsigned nq, unsigned hd) { return (hd + acc_vecto
 // pf advances with the rows of every channel group.
 template <unsigned NQ, class Vt>
 void acc_nq(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens, unsigned hd, float* acc,
-            row_prefetch* pf) {
+            row_prefetch& pf) {
   constexpr unsigned ND = acc_vectors(NQ);
   for (unsigned d0 = 0; d0 < hd; d0 += ND * W) {
     const unsigned rest = hd - d0;
     const unsigned nv = umin(ND, (rest + W - 1) / W);  // vectors in this channel group
     const unsigned last = rest - (nv - 1) * W < W ? rest - (nv - 1) * W : W;
-    row_prefetch* f = pf;
     switch (nv) {
-      case 1: acc_tile_any<NQ, 1>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
-      case 2: acc_tile_any<NQ, umin(2u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
-      case 3: acc_tile_any<NQ, umin(3u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
-      default: acc_tile_any<NQ, ND>(p, p_stride, v, tokens, hd, d0, last, acc, f); break;
+      case 1: acc_tile_any<NQ, 1>(p, p_stride, v, tokens, hd, d0, last, acc, pf); break;
+      case 2: acc_tile_any<NQ, umin(2u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, pf); break;
+      case 3: acc_tile_any<NQ, umin(3u, ND)>(p, p_stride, v, tokens, hd, d0, last, acc, pf); break;
+      default: acc_tile_any<NQ, ND>(p, p_stride, v, tokens, hd, d0, last, acc, pf); break;
     }
   }
 }
@@ -407,17 +406,16 @@ void accumulate_dense(const float* p, std::size_t p_stride, std::uint32_t nq, co
       const unsigned n = (rest + passes - 1) / passes;
       const float* pi = p + i0 * p_stride + t0;
       float* a = acc + std::size_t(i0) * head_dim;
-      row_prefetch* f = &pf;
       i0 += n;
       switch (n) {
-        case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 2: acc_nq<2>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 3: acc_nq<3>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 4: acc_nq<4>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 5: acc_nq<5>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 6: acc_nq<6>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        case 7: acc_nq<7>(pi, p_stride, vt, nt, head_dim, a, f); break;
-        default: acc_nq<8>(pi, p_stride, vt, nt, head_dim, a, f); break;
+        case 1: acc_nq<1>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 2: acc_nq<2>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 3: acc_nq<3>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 4: acc_nq<4>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 5: acc_nq<5>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 6: acc_nq<6>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        case 7: acc_nq<7>(pi, p_stride, vt, nt, head_dim, a, pf); break;
+        default: acc_nq<8>(pi, p_stride, vt, nt, head_dim, a, pf); break;
       }
     }
   }

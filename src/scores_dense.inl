@@ -74,15 +74,15 @@ void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_
 // pf advances with the rows.
 template <unsigned NQ, class K>
 void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
-               row_prefetch* pf) {
+               row_prefetch& pf) {
   constexpr unsigned T = umax(1u, V::score_acc / NQ);
   unsigned t = 0;
   for (; t + T <= tokens; t += T) {
-    if (pf != nullptr) pf->rows(T);
+    pf.rows(T);
     scores_tile<NQ, T>(q, k + t * hd, hd, out + t, out_stride);
   }
   for (; t < tokens; ++t) {
-    if (pf != nullptr) pf->rows(1);
+    pf.rows(1);
     scores_tile<NQ, 1>(q, k + t * hd, hd, out + t, out_stride);
   }
 }
@@ -104,17 +104,16 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
       const float* qi = q + std::size_t(i0) * head_dim;
       const K* kt = k + std::size_t(t0) * head_dim;
       float* o = out + i0 * out_stride + t0;
-      row_prefetch* p = &pf;
       i0 += n;
       switch (n) {
-        case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 4: scores_nq<4>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 5: scores_nq<5>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 6: scores_nq<6>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        case 7: scores_nq<7>(qi, kt, nt, head_dim, o, out_stride, p); break;
-        default: scores_nq<8>(qi, kt, nt, head_dim, o, out_stride, p); break;
+        case 1: scores_nq<1>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 2: scores_nq<2>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 3: scores_nq<3>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 4: scores_nq<4>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 5: scores_nq<5>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 6: scores_nq<6>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 7: scores_nq<7>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        default: scores_nq<8>(qi, kt, nt, head_dim, o, out_stride, pf); break;
       }
     }
   }
