@@ -158,13 +158,23 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 }
 
 // Small chunks (paged blocks, Q4 groups) lie scattered over the pool, where the hardware
-// prefetchers lose the stream at every chunk (and every 4 KiB page): the chunk some
-// prefetch_tokens ahead is prefetched in software. Its lines are spread evenly over the kernel
-// calls of the current chunk rather than issued at once: a burst of a whole chunk (640 lines for
-// a Q4 group of 8 heads x 128) overflows the core's miss buffers, the prefetches past them are
-// dropped, and that measured no faster than no prefetch at all. Large chunks (a contiguous
-// cache) are streamed well by the hardware alone. All of it goes to L2 (see row_prefetch.inl).
-constexpr std::uint32_t prefetch_tokens = 32;  // measured against 64 at 32k: Q4 groups 1.07-1.1x, paged 16-token blocks even
+// prefetchers lose the stream at every chunk: the chunk some prefetch_tokens ahead is prefetched
+// in software, to L2 (see row_prefetch.inl), at the rate the kernels read: each kernel call takes
+// as many lines of the stream as it reads itself, and spreads them over its rows. Measured on
+// Zen 4 at 32k tokens (a synthetic read of 16-token f16 blocks, 8 heads x 128, in this order, with
+// the FMAs of attention): lines issued at exactly the read rate kept the blocks at 0.93 to 0.98 of
+// a contiguous stream's bandwidth, shuffled or in order; 1.25 times that rate 0.84, 1.5 to 1.75
+// times (the stream this replaced: shares of a chunk spread over its score calls only, the rest in
+// a burst) 0.6 to 0.7, and 0.75 times 0.68. Requests that run ahead of the reads queue the demand
+// loads behind them; requests that fall behind leave misses uncovered (at 0.5 to 0.75 times the
+// rate, attend over 16-token paged blocks ran at half the speed of no prefetch at all: the queue
+// falls behind the reads and its requests are for lines being read). In attend itself the gain
+// was smaller than in the synthetic read: paged f16 at 32k ran 1.05x faster with 2 threads
+// (180-184 -> 188-193 tokens/s, interleaved perf_report runs) and the same within noise with 1
+// (118-122 before and after), where the kernels' own time, not the stream, is what paged adds to
+// contiguous (at 4k, from cache, paged runs at 0.83-0.9 of contiguous too). Large chunks (a
+// contiguous cache) are streamed well by the hardware alone.
+constexpr std::uint32_t prefetch_tokens = 32;  // one tile ahead (32 tokens at 4 queries per kv head)
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
 
 // The chunk to prefetch when chunk ci starts, or nullptr.
@@ -175,74 +185,84 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
   return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
 }
 
-// The lines of one chunk's heads [ha, hb), keys then values, handed out a share per kernel call.
+// Lines of `bytes` bytes.
+constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
+
+// The lines of queued chunks' heads [ha, hb) (keys, then values, chunk after chunk), handed out as
+// each kernel call reads: take(n) gives the call the next n lines.
 class prefetch_stream {
  public:
-  // Queues chunk a (what is left of the previous one is issued now), to be spread over `calls`
-  // kernel calls with a quarter to spare.
-  void start(const chunk& a, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd, std::uint32_t calls) {
-    while (a_ != nullptr) pump_lines(~std::size_t{0});
-    a_ = &a;
-    ha_ = h_ = ha;
-    hb_ = hb;
-    values_ = false;
-    off_ = 0;
-    k_bytes_ = key_head_bytes(a, hd);
-    v_bytes_ = value_head_bytes(a, hd);
-    const std::size_t lines = (hb - ha) * ((k_bytes_ + 63) / 64 + (v_bytes_ + 63) / 64);
-    per_call_ = (lines * 5 / 4 + calls - 1) / std::max<std::uint32_t>(calls, 1);
+  // Queues chunk a's heads [ha, hb) after what is queued. Queued chunks are a few (prefetch_tokens
+  // ahead of the reads); past `depth` the oldest one's rest is dropped.
+  void queue(const chunk& a, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd) {
+    if (count_ == depth) pop();
+    entry& e = ring_[(first_ + count_++) % depth];
+    e = entry{&a, key_head_bytes(a, hd), value_head_bytes(a, hd), ha, hb};
+    if (count_ == 1) restart();
   }
-  // Whether lines of a chunk are queued.
-  [[nodiscard]] bool active() const { return a_ != nullptr; }
+  // Whether lines are queued.
+  [[nodiscard]] bool active() const { return count_ > 0; }
   // Issues a region taken but not handed to a kernel.
   static void issue(kernels::prefetch_region r) {
     const auto* p = static_cast<const std::byte*>(r.p);
     for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
   }
-  // One call's share of lines as a region for a dense kernel to spread over its rows: contiguous
-  // bytes, across consecutive heads where they are adjacent in memory; what does not fit stays
-  // queued for the next call.
-  kernels::prefetch_region take() {
-    if (a_ == nullptr) return {};
-    const std::byte* begin = (values_ ? a_->v_head(h_) : a_->k_head(h_)) + off_;
-    const std::size_t want = per_call_ * 64;
+  // The next `lines` lines, for a kernel that reads as many, as one region it spreads over its rows:
+  // contiguous bytes, across consecutive heads (and from keys to values, chunk to chunk) where they
+  // are adjacent in memory. What does not fit in one region is owed: added to the next call's share.
+  kernels::prefetch_region take(std::size_t lines) {
+    if (count_ == 0) return {};
+    const std::size_t want = (lines + owed_) * 64;
+    const std::byte* begin = at();
     std::size_t got = 0;
-    while (a_ != nullptr && got < want) {
-      const std::byte* at = (values_ ? a_->v_head(h_) : a_->k_head(h_)) + off_;
-      if (at != begin + got) break;  // not adjacent to what is taken
-      const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
-      const std::size_t n = std::min(want - got, bytes - off_);
+    while (count_ > 0 && got < want) {
+      if (at() != begin + got) break;  // not adjacent to what is taken
+      const std::size_t n = std::min(want - got, bytes() - off_);
       got += n;
       off_ += n;
-      if (off_ == bytes) next_head();
+      if (off_ == bytes()) next_head();
     }
+    owed_ = count_ > 0 ? (want - got) / 64 : 0;
     return {begin, got};
   }
 
  private:
+  static constexpr std::uint32_t depth = 8;
+  struct entry {
+    const chunk* c;
+    std::size_t k_bytes, v_bytes;
+    std::uint32_t ha, hb;
+  };
+  const entry& front() const { return ring_[first_]; }
+  const std::byte* at() const {
+    const entry& e = front();
+    return (values_ ? e.c->v_head(h_) : e.c->k_head(h_)) + off_;
+  }
+  std::size_t bytes() const { return values_ ? front().v_bytes : front().k_bytes; }
+  void restart() {
+    h_ = front().ha;
+    values_ = false;
+    off_ = 0;
+  }
+  void pop() {
+    first_ = (first_ + 1) % depth;
+    if (--count_ > 0) restart();
+  }
   void next_head() {
     off_ = 0;
-    if (++h_ == hb_) {
-      h_ = ha_;
-      if (values_) a_ = nullptr;
-      values_ = true;
+    if (++h_ < front().hb) return;
+    h_ = front().ha;
+    if (values_) {
+      pop();
+      return;
     }
-  }
-  void pump_lines(std::size_t n) {
-    while (n > 0) {
-      const std::byte* p = values_ ? a_->v_head(h_) : a_->k_head(h_);
-      const std::size_t bytes = values_ ? v_bytes_ : k_bytes_;
-      for (; n > 0 && off_ < bytes; --n, off_ += 64) __builtin_prefetch(p + off_, 0, 2);
-      if (off_ < bytes) return;
-      next_head();
-      if (a_ == nullptr) return;
-    }
+    values_ = true;
   }
 
-  const chunk* a_ = nullptr;
-  std::uint32_t ha_ = 0, hb_ = 0, h_ = 0;
+  entry ring_[depth]{};
+  std::uint32_t first_ = 0, count_ = 0, h_ = 0;
   bool values_ = false;
-  std::size_t off_ = 0, k_bytes_ = 0, v_bytes_ = 0, per_call_ = 0;
+  std::size_t off_ = 0, owed_ = 0;
 };
 
 // The rows of a dense head's stream (row bytes `row`, `tokens` rows at `base`) that follow rows
@@ -287,13 +307,14 @@ void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
   if (ch.k_format == format::q4) {  // validated: the whole chunk is one group; off == 0
-    kt.scores_q4(qf, g, reinterpret_cast<const std::uint8_t*>(kb), n, hd, s, c.tile, pf.take());
+    kt.scores_q4(qf, g, reinterpret_cast<const std::uint8_t*>(kb), n, hd, s, c.tile, pf.take(lines_of(key_head_bytes(ch, hd))));
     return;
   }
   // While the stream runs (small chunks) it has prefetched this chunk's rows already: the kernel
   // spreads the stream's share over its rows rather than taking the chunk's next rows.
-  const kernels::prefetch_region next = pf.active() ? pf.take() : ahead_rows(ch, fol, false, h, hd, off, n);
   const std::size_t first = static_cast<std::size_t>(off) * hd;
+  const kernels::prefetch_region next =
+      pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format))) : ahead_rows(ch, fol, false, h, hd, off, n);
   if (ch.k_format == format::f16)
     kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
   else
@@ -308,7 +329,19 @@ void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t
 void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
-  kernels::prefetch_region share = pf.take();
+  kernels::prefetch_region share{};
+  if (pf.active()) {  // as many lines as the call reads
+    std::size_t lines = 0;
+    for (std::uint32_t cj = ci, o = off, done = 0; done < filled; ++cj, o = 0) {
+      const chunk& ch = view.chunks[cj];
+      if (ch.tokens == 0) continue;
+      const std::uint32_t n = std::min(filled - done, ch.tokens - o);
+      lines += ch.v_format == format::q4 ? lines_of(value_head_bytes(ch, hd) * n / ch.tokens)
+                                         : lines_of(static_cast<std::size_t>(n) * hd * dense_element_bytes(ch.v_format));
+      done += n;
+    }
+    share = pf.take(lines);
+  }
   auto own_or_share = [&share](kernels::prefetch_region own) {
     if (share.bytes == 0) return own;
     const kernels::prefetch_region r = share;
@@ -412,12 +445,13 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // A whole Q4 group, keys and values, in one call per head (validated: off == 0): scores,
         // softmax step and values of all the head's queries at once.
         const chunk* ahead = chunk_ahead(view, ci, hd);
-        if (ahead != nullptr) pf.start(*ahead, ha, hb, hd, hb - ha);
+        if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
+        const std::size_t lines = lines_of(key_head_bytes(ch, hd)) + lines_of(value_head_bytes(ch, hd));
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
           c.kt->attend_q4(hs.qf, g, reinterpret_cast<const std::uint8_t*>(ch.k_head(h)),
                           reinterpret_cast<const std::uint8_t*>(ch.v_head(h)), ch.tokens, hd, hs.run_max, hs.run_sum,
-                          hs.acc, pf.take());
+                          hs.acc, pf.take(lines));
         }
         start_ci = ci + 1;  // the tile starts after it
         start_off = 0;
@@ -428,10 +462,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       const std::uint32_t n = std::min(tile - filled, ch_tokens - off);
       const chunk* fol = following(view, ci);
       if (off == 0) {
-        // Kernel calls per chunk: one score call per head, and one accumulate call per head per
-        // tile.
         const chunk* ahead = chunk_ahead(view, ci, hd);
-        if (ahead != nullptr) pf.start(*ahead, ha, hb, hd, (hb - ha) + (hb - ha) * ch.tokens / tile);
+        if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
       }
       for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
