@@ -202,11 +202,6 @@ class prefetch_stream {
   }
   // Whether lines are queued.
   [[nodiscard]] bool active() const { return count_ > 0; }
-  // Issues a region taken but not handed to a kernel.
-  static void issue(kernels::prefetch_region r) {
-    const auto* p = static_cast<const std::byte*>(r.p);
-    for (std::size_t o = 0; o < r.bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
-  }
   // The next `lines` lines, for a kernel that reads as many, as one region it spreads over its rows:
   // contiguous bytes, across consecutive heads (and from keys to values, chunk to chunk) where they
   // are adjacent in memory. What does not fit in one region is owed: added to the next call's share.
@@ -323,30 +318,16 @@ void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
-// all the tile's chunks is one call that keeps its accumulators in registers.
-// The call's share of the prefetch stream pf, while it runs (small chunks, whose rows it has
-// prefetched), goes to the first kernel; the others prefetch their next rows (ahead_rows).
+// all the tile's chunks is one call that keeps its accumulators in registers. While the prefetch
+// stream pf runs (small chunks, whose rows it has prefetched), each kernel call takes as many of
+// its lines as the call reads; otherwise a dense kernel prefetches its next rows (ahead_rows).
 void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
-  kernels::prefetch_region share{};
-  if (pf.active()) {  // as many lines as the call reads
-    std::size_t lines = 0;
-    for (std::uint32_t cj = ci, o = off, done = 0; done < filled; ++cj, o = 0) {
-      const chunk& ch = view.chunks[cj];
-      if (ch.tokens == 0) continue;
-      const std::uint32_t n = std::min(filled - done, ch.tokens - o);
-      lines += ch.v_format == format::q4 ? lines_of(value_head_bytes(ch, hd) * n / ch.tokens)
-                                         : lines_of(static_cast<std::size_t>(n) * hd * dense_element_bytes(ch.v_format));
-      done += n;
-    }
-    share = pf.take(lines);
-  }
-  auto own_or_share = [&share](kernels::prefetch_region own) {
-    if (share.bytes == 0) return own;
-    const kernels::prefetch_region r = share;
-    share = {};
-    return r;
+  // Lines of the values of n tokens of chunk ch.
+  auto lines_read = [hd](const chunk& ch, std::uint32_t n) {
+    return ch.v_format == format::q4 ? lines_of(value_head_bytes(ch, hd) * n / ch.tokens)
+                                     : lines_of(static_cast<std::size_t>(n) * hd * dense_element_bytes(ch.v_format));
   };
 #if defined(KVCACHE_HAVE_AVX512)
   if (c.fused_values) {
@@ -355,6 +336,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
     const std::size_t elem = dense_element_bytes(vf);
     std::uint32_t count = 0, done = 0;
+    std::size_t lines = 0;
     kernels::prefetch_region next{};  // the rows after the tile's last segment
     for (std::uint32_t cj = ci, o = off; fused && done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
@@ -363,13 +345,12 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
       fused = ch.v_format == vf;
       segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
       next = ahead_rows(ch, following(view, cj), true, h, hd, o, n);
+      lines += lines_read(ch, n);
       done += n;
     }
     if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc,
-                                                            own_or_share(next))) {
-      prefetch_stream::issue(share);
+                                                            pf.active() ? pf.take(lines) : next))
       return;
-    }
   }
 #else
   (void)worker;
@@ -382,22 +363,25 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     const std::uint32_t n = std::min(filled - done, ch.tokens - o);
     const std::byte* vb = ch.v_head(h);
     const float* p = s + done;
+    const kernels::prefetch_region ahead = pf.active() ? pf.take(lines_read(ch, n))
+                                           : ch.v_format == format::q4
+                                               ? kernels::prefetch_region{}
+                                               : ahead_rows(ch, following(view, cj), true, h, hd, o, n);
     switch (ch.v_format) {
       case format::f16:
         kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(ahead_rows(ch, following(view, cj), true, h, hd, o, n)));
+                          ahead);
         break;
       case format::f32:
         kt.accumulate_f32(p, tile, g, reinterpret_cast<const float*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
-                          own_or_share(ahead_rows(ch, following(view, cj), true, h, hd, o, n)));
+                          ahead);
         break;
       case format::q4:
-        kt.accumulate_q4(p, tile, g, reinterpret_cast<const std::uint8_t*>(vb), o, n, hd, acc, own_or_share({}));
+        kt.accumulate_q4(p, tile, g, reinterpret_cast<const std::uint8_t*>(vb), o, n, hd, acc, ahead);
         break;
     }
     done += n;
   }
-  prefetch_stream::issue(share);
 }
 
 // Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
