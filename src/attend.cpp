@@ -167,8 +167,8 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // times (the stream this replaced: shares of a chunk spread over its score calls only, the rest in
 // a burst) 0.6 to 0.7, and 0.75 times 0.68. Requests that run ahead of the reads queue the demand
 // loads behind them; requests that fall behind leave misses uncovered (at 0.5 to 0.75 times the
-// rate, attend over 16-token paged blocks ran at half the speed of no prefetch at all: the queue
-// falls behind the reads and its requests are for lines being read). In attend itself the gain
+// rate, attend over 16-token paged blocks ran at 0.6 of the speed with no prefetch at all: the
+// queue falls behind the reads and its requests are for lines being read). In attend itself the gain
 // was smaller than in the synthetic read: paged f16 at 32k ran 1.05x faster with 2 threads
 // (180-184 -> 188-193 tokens/s, interleaved perf_report runs) and the same within noise with 1
 // (118-122 before and after), where the kernels' own time, not the stream, is what paged adds to
@@ -302,14 +302,15 @@ void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
   if (ch.k_format == format::q4) {  // validated: the whole chunk is one group; off == 0
-    kt.scores_q4(qf, g, reinterpret_cast<const std::uint8_t*>(kb), n, hd, s, c.tile, pf.take(lines_of(key_head_bytes(ch, hd))));
+    kt.scores_q4(qf, g, reinterpret_cast<const std::uint8_t*>(kb), n, hd, s, c.tile,
+                 pf.take(lines_of(key_head_bytes(ch, hd))));
     return;
   }
   // While the stream runs (small chunks) it has prefetched this chunk's rows already: the kernel
   // spreads the stream's share over its rows rather than taking the chunk's next rows.
   const std::size_t first = static_cast<std::size_t>(off) * hd;
-  const kernels::prefetch_region next =
-      pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format))) : ahead_rows(ch, fol, false, h, hd, off, n);
+  const kernels::prefetch_region next = pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format)))
+                                                    : ahead_rows(ch, fol, false, h, hd, off, n);
   if (ch.k_format == format::f16)
     kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
   else
