@@ -244,6 +244,49 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
   s.SetItemsProcessed(i64(steps * 32));
 }
 
+// table::attend_q4 as attend() drives it over a two-tier store at 32k: group after group, every
+// head's step (each head its own state) on a group before the next group, K and V of a group's
+// head side by side ([group][head][key group, value group]), and each step prefetching the same
+// head's K and V of the next group (attend's stream: its share of the group ahead). Against
+// /l2 (the same step on cached groups) this is what streaming the store costs the step, and
+// against BM_attend/two_tier what attend adds to it.
+void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+  constexpr std::size_t pair = key_group + value_group;
+  static const kb::buffer store = [] {
+    kb::buffer x(std::size_t{ctx_groups} * heads * pair);
+    for (std::size_t g = 0; g < ctx_groups; ++g)
+      for (std::size_t h = 0; h < heads; ++h) {
+        std::uint8_t* dst = x.as<std::uint8_t>() + (g * heads + h) * pair;
+        std::copy_n(q4_keys() + (h * ctx_groups + g) * key_group, key_group, dst);
+        std::copy_n(q4_values() + (h * ctx_groups + g) * value_group, value_group, dst + key_group);
+      }
+    return x;
+  }();
+  const std::size_t per_head = std::size_t{nq} * head_dim;
+  kb::buffer q(heads * per_head * sizeof(float)), acc(heads * per_head * sizeof(float)),
+      run(std::size_t{2} * heads * nq * sizeof(float));
+  kb::fill_normal(q.as<float>(), heads * per_head, 1.4427f / 11.3f);
+  const std::uint8_t* base = store.as<std::uint8_t>();
+  for (auto _ : s) {
+    float* run_max = run.as<float>();
+    float* run_sum = run_max + heads * nq;
+    std::fill_n(run_max, heads * nq, -std::numeric_limits<float>::infinity());
+    std::fill_n(run_sum, heads * nq, 0.0f);
+    std::fill_n(acc.as<float>(), heads * per_head, 0.0f);
+    for (std::size_t g = 0; g < ctx_groups; ++g)
+      for (std::size_t h = 0; h < heads; ++h) {
+        const std::uint8_t* at = base + (g * heads + h) * pair;
+        const kernels::prefetch_region ahead =
+            g + 1 < ctx_groups ? kernels::prefetch_region{at + heads * pair, pair} : kernels::prefetch_region{};
+        t->attend_q4(q.as<float>() + h * per_head, nq, at, at + key_group, 32, head_dim, run_max + h * nq,
+                     run_sum + h * nq, acc.as<float>() + h * per_head, ahead);
+      }
+    benchmark::ClobberMemory();
+  }
+  s.SetBytesProcessed(i64(s.iterations()) * i64(std::size_t{ctx_groups} * heads * pair));
+  s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{ctx_groups} * heads * 32));
+}
+
 template <class F>
 void add(const std::string& name, F f) {
   benchmark::RegisterBenchmark(name.c_str(), f)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -273,6 +316,7 @@ void add(const std::string& name, F f) {
         const std::string suffix = is + "/nq:" + std::to_string(nq);
         add("BM_attend_step/q4/" + suffix + "/l2", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, true); });
         add("BM_attend_step/q4/" + suffix + "/dram", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, false); });
+        add("BM_attend_step/q4/" + suffix + "/stream", [t, nq](benchmark::State& s) { attend_step_q4_stream(s, t, nq); });
       }
     }
     // Where the fastest table is int8 for Q4 (VNNI), the float Q4 kernels too, to compare.
