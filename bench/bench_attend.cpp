@@ -13,6 +13,8 @@
 #include <kvcache/paged_cache.hpp>
 #include <kvcache/two_tier_cache.hpp>
 
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,6 +111,69 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
   run(state, *c, which, tokens, threads);
 }
 
+// BM_attend_paired/<isa>/ctx:<tokens>/t:<threads>: the three caches of the table (contiguous f16,
+// paged f16 with 16-token blocks, two-tier Q4) side by side, each iteration one decode step on
+// each in rotating order, each step timed on its own. The counters are the caches' tokens/s and
+// the ratios paged/contiguous and two-tier/f16 of their summed times: on a shared machine whose
+// speed drifts within seconds, steps taken next to each other compare fairer than separate
+// benchmarks' best repetitions (scripts/perf_report.sh prints both). At 32k only: there every
+// cache streams from memory alone or paired, where at 4k the three together (38 MB) no longer
+// fit the L3 that each one alone runs from.
+void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+  const isa before = active_isa();
+  if (!force_isa(which)) return state.SkipWithError("ISA not supported");
+  auto cc = contiguous_cache<>::create({shape, format::f16, 1, tokens});
+  paged_config<> pc;
+  pc.shape = shape;
+  pc.storage = format::f16;
+  pc.block_tokens = 16;
+  pc.budget_bytes = (tokens + 16) * shape.token_width() * 2 * 2;
+  pc.expected_tokens = tokens;
+  auto pg = paged_cache<>::create(pc);
+  two_tier_config tc;
+  tc.shape = shape;
+  auto tt = two_tier_cache<>::create(tc);
+  if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
+  auto view_of = [tokens](auto& cache) -> std::optional<layer_view> {
+    const result<seq_id> s = cache.create();
+    if (!s || !fill(cache, *s, tokens)) return std::nullopt;
+    return cache.view(*s, 0).value();
+  };
+  const std::optional<layer_view> views[3] = {view_of(*cc), view_of(*pg), view_of(*tt)};
+  for (const auto& v : views)
+    if (!v) return state.SkipWithError("cache fill failed");
+  std::vector<float> q(q_heads * head_dim), out(q.size());
+  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
+  attention_workspace ws;
+  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
+  if (!ws.reserve(p)) return state.SkipWithError("workspace");
+  double seconds[3] = {0, 0, 0};
+  std::size_t round = 0;
+  for (auto _ : state) {
+    for (std::size_t j = 0; j < 3; ++j) {
+      const std::size_t c = (round + j) % 3;
+      const auto t0 = std::chrono::steady_clock::now();
+      const result<void> r = attend(p, std::span(&*views[c], 1), q, out, ws);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+      seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!r) {
+        state.SkipWithError(r.error().message.c_str());
+        (void)force_isa(before);
+        return;
+      }
+    }
+    ++round;
+  }
+  const auto n = static_cast<double>(state.iterations());
+  state.counters["contiguous_tokens_per_s"] = n / seconds[0];
+  state.counters["paged_tokens_per_s"] = n / seconds[1];
+  state.counters["two_tier_tokens_per_s"] = n / seconds[2];
+  state.counters["paged_over_contiguous"] = seconds[0] / seconds[1];
+  state.counters["two_tier_over_f16"] = seconds[0] / seconds[2];
+  (void)force_isa(before);
+}
+
 const bool registered = [] {
   using fn = void (*)(benchmark::State&, isa, std::size_t, unsigned);
   const struct {
@@ -132,6 +197,14 @@ const bool registered = [] {
             f(st, i, tokens, threads);
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
         }
+    for (std::size_t tokens : {std::size_t{32768}})
+      for (unsigned threads : {1u, 2u}) {
+        const std::string name = "BM_attend_paired/" + std::string(to_string(i)) + "/ctx:" + std::to_string(tokens) +
+                                 "/t:" + std::to_string(threads);
+        benchmark::RegisterBenchmark(name.c_str(), [i, tokens, threads](benchmark::State& st) {
+          attend_paired(st, i, tokens, threads);
+        })->UseRealTime()->Unit(benchmark::kMicrosecond);
+      }
   }
   return true;
 }();

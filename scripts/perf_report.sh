@@ -3,7 +3,9 @@
 # the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16,
 # paged f16 and two-tier Q4 at 4k and 32k tokens (8 KV heads x 128, 32 query heads, 1 layer):
 # tokens/s, K+V bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the
-# same run with the same thread count, and the ratios paged/contiguous and two-tier/f16.
+# same run with the same thread count, and the ratios paged/contiguous and two-tier/f16; then the
+# same two ratios measured paired (BM_attend_paired: one step of each cache in turn, which a
+# machine whose speed drifts disturbs less than separate benchmarks).
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
@@ -36,7 +38,7 @@ fi
 
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
-"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|two_tier)/[^/]+/$isa/" \
+"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|two_tier)/[^/]+/$isa/|^BM_attend_paired/$isa/" \
   --benchmark_min_time="$min_time" --benchmark_repetitions="$repetitions" --benchmark_enable_random_interleaving=true --benchmark_out="$out" --benchmark_out_format=json >&2
 
 python3 - "$out" "$isa" <<'EOF'
@@ -46,6 +48,7 @@ data = json.load(open(sys.argv[1]))
 isa = sys.argv[2]
 read = {}   # threads -> bytes/s of BM_read
 rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s)
+paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16), ...] per repetition
 for b in data["benchmarks"]:
     if b.get("run_type") == "aggregate" or b.get("error_occurred"):
         continue
@@ -53,6 +56,11 @@ for b in data["benchmarks"]:
     if name.startswith("BM_read"):
         t = int(b.get("threads", 1))
         read[t] = max(read.get(t, 0.0), b["bytes_per_second"])
+        continue
+    m = re.match(r"BM_attend_paired/(\w+)/ctx:(\d+)/t:(\d+)", name)
+    if m:
+        paired.setdefault((int(m.group(2)), int(m.group(3))), []).append(
+            (b["paged_over_contiguous"], b["two_tier_over_f16"]))
         continue
     m = re.match(r"BM_attend/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
@@ -81,4 +89,15 @@ for n in sorted({k[1] for k in rows}):
             pc = f"{p[0] / c[0]:.3f}" if p else "-"
             qc = f"{q[0] / c[0]:.3f}" if q else "-"
             print(f"{n:>8} {t:>7} {pc:>17} {qc:>13}")
+if paired:
+    print()
+    print("paired (BM_attend_paired: one step of each cache in turn, ratios of summed step times;")
+    print("median and range over the repetitions)")
+    print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>24} {'two-tier/f16':>24}")
+    for (n, t), rs in sorted(paired.items()):
+        cols = []
+        for k in range(2):
+            v = sorted(r[k] for r in rs)
+            cols.append(f"{v[len(v) // 2]:.3f} ({v[0]:.3f}-{v[-1]:.3f})")
+        print(f"{n:>8} {t:>7} {cols[0]:>24} {cols[1]:>24}")
 EOF
