@@ -58,8 +58,8 @@ bool fill(C& cache, seq_id s, std::size_t tokens) {
 
 template <class C>
 void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
-  const isa before = active_isa();
-  if (!force_isa(which)) return state.SkipWithError("ISA not supported");
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
   const result<seq_id> s = cache.create();
   if (!s || !fill(cache, *s, tokens)) return state.SkipWithError("cache fill failed");
   const layer_view view = cache.view(*s, 0).value();
@@ -81,7 +81,6 @@ void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsig
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["context"] = static_cast<double>(tokens);
-  (void)force_isa(before);
 }
 
 void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
@@ -120,8 +119,8 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
 // cache streams from memory alone or paired, where at 4k the three together (38 MB) no longer
 // fit the L3 that each one alone runs from.
 void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  const isa before = active_isa();
-  if (!force_isa(which)) return state.SkipWithError("ISA not supported");
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
   auto cc = contiguous_cache<>::create({shape, format::f16, 1, tokens});
   paged_config<> pc;
   pc.shape = shape;
@@ -149,8 +148,9 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   if (!ws.reserve(p)) return state.SkipWithError("workspace");
   double seconds[3] = {0, 0, 0};
   std::size_t round = 0;
+  bool failed = false;
   for (auto _ : state) {
-    for (std::size_t j = 0; j < 3; ++j) {
+    for (std::size_t j = 0; j < 3 && !failed; ++j) {
       const std::size_t c = (round + j) % 3;
       const auto t0 = std::chrono::steady_clock::now();
       const result<void> r = attend(p, std::span(&*views[c], 1), q, out, ws);
@@ -159,19 +159,19 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
       seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!r) {
         state.SkipWithError(r.error().message.c_str());
-        (void)force_isa(before);
-        return;
+        failed = true;
       }
     }
+    if (failed) break;
     ++round;
   }
+  if (failed) return;
   const auto n = static_cast<double>(state.iterations());
   state.counters["contiguous_tokens_per_s"] = n / seconds[0];
   state.counters["paged_tokens_per_s"] = n / seconds[1];
   state.counters["two_tier_tokens_per_s"] = n / seconds[2];
   state.counters["paged_over_contiguous"] = seconds[0] / seconds[1];
   state.counters["two_tier_over_f16"] = seconds[0] / seconds[2];
-  (void)force_isa(before);
 }
 
 const bool registered = [] {

@@ -30,6 +30,7 @@
 #include <random>
 
 #include <kvcache/half.hpp>
+#include <kvcache/isa.hpp>
 
 namespace kvcache::bench {
 
@@ -75,5 +76,16 @@ inline void fill_normal(half* p, std::size_t n, float sd = 1.0f, std::uint64_t s
   std::normal_distribution<float> nd(0.0f, sd);
   for (std::size_t i = 0; i < n; ++i) p[i] = to_half(nd(rng));
 }
+
+/// Makes `i` the active ISA for the lifetime of the object (ok: whether it could), then restores
+/// the one before, on every way out of a benchmark.
+struct isa_scope {
+  isa saved = active_isa();
+  bool ok = false;
+  explicit isa_scope(isa i) : ok(force_isa(i).has_value()) {}
+  isa_scope(const isa_scope&) = delete;
+  isa_scope& operator=(const isa_scope&) = delete;
+  ~isa_scope() { (void)force_isa(saved); }
+};
 
 }  // namespace kvcache::bench

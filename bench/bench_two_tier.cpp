@@ -42,14 +42,6 @@ constexpr formats all_formats[] = {{format::q4, format::q4, "q4"},
 
 std::int64_t i64(std::size_t x) { return static_cast<std::int64_t>(x); }
 
-/// Makes `i` the active ISA for the lifetime of the object.
-struct isa_scope {
-  isa saved = kvcache::active_isa();
-  bool ok = false;
-  explicit isa_scope(isa i) : ok(kvcache::force_isa(i).has_value()) {}
-  ~isa_scope() { (void)kvcache::force_isa(saved); }
-};
-
 /// FP16 input rows, N(0, 1): [512 tokens][kv_heads][head_dim].
 const half* input() {
   static const kb::buffer b = [] {
@@ -61,7 +53,7 @@ const half* input() {
 }
 
 void append(benchmark::State& s, formats f, isa which, std::size_t step) {
-  const isa_scope scope(which);
+  const kb::isa_scope scope(which);
   if (!scope.ok) {
     s.SkipWithError("ISA not supported");
     return;
