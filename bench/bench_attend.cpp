@@ -83,29 +83,40 @@ void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsig
   state.counters["context"] = static_cast<double>(tokens);
 }
 
+// The caches of the table, empty, sized for `tokens` tokens of one sequence.
+result<contiguous_cache<>> make_contiguous(std::size_t tokens) {
+  return contiguous_cache<>::create({shape, format::f16, 1, tokens});
+}
+result<paged_cache<>> make_paged(std::size_t tokens, std::uint32_t block) {
+  paged_config<> pc;
+  pc.shape = shape;
+  pc.storage = format::f16;
+  pc.block_tokens = block;
+  pc.budget_bytes = (tokens + block) * shape.token_width() * 2 * 2;
+  pc.expected_tokens = tokens;
+  return paged_cache<>::create(pc);
+}
+result<two_tier_cache<>> make_two_tier() {
+  two_tier_config tc;
+  tc.shape = shape;
+  return two_tier_cache<>::create(tc);
+}
+
 void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = contiguous_cache<>::create({shape, format::f16, 1, tokens});
+  auto c = make_contiguous(tokens);
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
 
 template <std::uint32_t Block>
 void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  paged_config<> pc;
-  pc.shape = shape;
-  pc.storage = format::f16;
-  pc.block_tokens = Block;
-  pc.budget_bytes = (tokens + Block) * shape.token_width() * 2 * 2;
-  pc.expected_tokens = tokens;
-  auto c = paged_cache<>::create(pc);
+  auto c = make_paged(tokens, Block);
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
 
 void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  two_tier_config tc;
-  tc.shape = shape;
-  auto c = two_tier_cache<>::create(tc);
+  auto c = make_two_tier();
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
@@ -121,17 +132,9 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
 void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
-  auto cc = contiguous_cache<>::create({shape, format::f16, 1, tokens});
-  paged_config<> pc;
-  pc.shape = shape;
-  pc.storage = format::f16;
-  pc.block_tokens = 16;
-  pc.budget_bytes = (tokens + 16) * shape.token_width() * 2 * 2;
-  pc.expected_tokens = tokens;
-  auto pg = paged_cache<>::create(pc);
-  two_tier_config tc;
-  tc.shape = shape;
-  auto tt = two_tier_cache<>::create(tc);
+  auto cc = make_contiguous(tokens);
+  auto pg = make_paged(tokens, 16);
+  auto tt = make_two_tier();
   if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
   auto view_of = [tokens](auto& cache) -> std::optional<layer_view> {
     const result<seq_id> s = cache.create();
