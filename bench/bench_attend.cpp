@@ -56,13 +56,21 @@ bool fill(C& cache, seq_id s, std::size_t tokens) {
   return true;
 }
 
+/// A new sequence of `tokens` random tokens in cache, and its view; nullopt where that fails.
+template <class C>
+std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
+  const result<seq_id> s = cache.create();
+  if (!s || !fill(cache, *s, tokens)) return std::nullopt;
+  return cache.view(*s, 0).value();
+}
+
 template <class C>
 void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
-  const result<seq_id> s = cache.create();
-  if (!s || !fill(cache, *s, tokens)) return state.SkipWithError("cache fill failed");
-  const layer_view view = cache.view(*s, 0).value();
+  const std::optional<layer_view> filled = filled_view(cache, tokens);
+  if (!filled) return state.SkipWithError("cache fill failed");
+  const layer_view& view = *filled;
   std::vector<float> q(q_heads * head_dim), out(q.size());
   bench::fill_normal(q.data(), q.size(), 1.0f, 7);
   attention_workspace ws;
@@ -136,12 +144,8 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   auto pg = make_paged(tokens, 16);
   auto tt = make_two_tier();
   if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
-  auto view_of = [tokens](auto& cache) -> std::optional<layer_view> {
-    const result<seq_id> s = cache.create();
-    if (!s || !fill(cache, *s, tokens)) return std::nullopt;
-    return cache.view(*s, 0).value();
-  };
-  const std::optional<layer_view> views[3] = {view_of(*cc), view_of(*pg), view_of(*tt)};
+  const std::optional<layer_view> views[3] = {filled_view(*cc, tokens), filled_view(*pg, tokens),
+                                               filled_view(*tt, tokens)};
   for (const auto& v : views)
     if (!v) return state.SkipWithError("cache fill failed");
   std::vector<float> q(q_heads * head_dim), out(q.size());
