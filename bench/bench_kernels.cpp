@@ -209,12 +209,12 @@ void accumulate_q4(benchmark::State& s, const kernels::table* t, std::uint32_t n
   s.SetItemsProcessed(i64(s.iterations()) * i64(std::size_t{heads} * ctx_tokens));
 }
 
-// table::attend_q4, one online-softmax step per group of 32 tokens, nq queries of one kv head:
-// over every head's groups of the 32k context (streamed from memory), or over `cached_groups` of
-// one head again and again (in L2: the kernel's compute alone). q gives base-2 logits of the
-// spread a 1 / sqrt(head_dim) scale makes.
+// table::attend_q4, nq queries of one kv head, `per_call` groups of 32 tokens a call (g:1, g:2;
+// attend() takes them two at a time, one softmax tile): over every head's groups of the 32k
+// context (streamed from memory), or over `cached_groups` of one head again and again (in L2: the
+// kernel's compute alone). q gives base-2 logits of the spread a 1 / sqrt(head_dim) scale makes.
 constexpr std::uint32_t cached_groups = 8;
-void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq, bool cached) {
+void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t nq, bool cached, std::uint32_t per_call) {
   const std::uint8_t* k = q4_keys();
   const std::uint8_t* v = q4_values();
   kb::buffer q(std::size_t{nq} * head_dim * sizeof(float)), acc(std::size_t{nq} * head_dim * sizeof(float)),
@@ -231,10 +231,13 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
         run_sum[i] = 0.0f;
       }
       std::fill_n(acc.as<float>(), std::size_t{nq} * head_dim, 0.0f);
-      for (std::uint32_t g = 0; g < groups; ++g) {
-        const std::size_t at = std::size_t{h} * ctx_groups + g;
-        t->attend_q4(q.as<float>(), nq, k + at * key_group, v + at * value_group, 32, head_dim, run_max, run_sum,
-                     acc.as<float>(), {});
+      for (std::uint32_t g = 0; g < groups; g += per_call) {
+        kernels::q4_group_ref gr[2];
+        for (std::uint32_t j = 0; j < per_call; ++j) {
+          const std::size_t at = std::size_t{h} * ctx_groups + g + j;
+          gr[j] = {k + at * key_group, v + at * value_group, 32};
+        }
+        t->attend_q4(q.as<float>(), nq, gr, per_call, head_dim, run_max, run_sum, acc.as<float>(), {});
       }
       steps += groups;
     }
@@ -244,13 +247,13 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
   s.SetItemsProcessed(i64(steps * 32));
 }
 
-// table::attend_q4 as attend() drives it over a two-tier store at 32k: group after group, every
-// head's step (each head its own state) on a group before the next group, K and V of a group's
-// head side by side ([group][head][key group, value group]), and each step prefetching the same
-// head's K and V of the next group (attend's stream: its share of the group ahead). Against
-// /l2 (the same step on cached groups) this is what streaming the store costs the step, and
-// against BM_attend/two_tier what attend adds to it.
-void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq) {
+// table::attend_q4 as attend() drives it over a two-tier store at 32k: `per_call` groups a call,
+// every head's step (each head its own state) on them before the next ones, K and V of a group's
+// head side by side ([group][head][key group, value group]), and each call prefetching as many
+// lines as it reads of the next call's groups (attend's stream: all heads' K and V of those
+// groups, handed out in order). Against /l2 (the same step on cached groups) this is what
+// streaming the store costs the step, and against BM_attend/two_tier what attend adds to it.
+void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq, std::uint32_t per_call) {
   constexpr std::size_t pair = key_group + value_group;
   static const kb::buffer store = [] {
     kb::buffer x(std::size_t{ctx_groups} * heads * pair);
@@ -273,13 +276,21 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
     std::fill_n(run_max, heads * nq, -std::numeric_limits<float>::infinity());
     std::fill_n(run_sum, heads * nq, 0.0f);
     std::fill_n(acc.as<float>(), heads * per_head, 0.0f);
-    for (std::size_t g = 0; g < ctx_groups; ++g)
+    for (std::size_t g = 0; g < ctx_groups; g += per_call)
       for (std::size_t h = 0; h < heads; ++h) {
-        const std::uint8_t* at = base + (g * heads + h) * pair;
+        kernels::q4_group_ref gr[2];
+        for (std::size_t j = 0; j < per_call; ++j) {
+          const std::uint8_t* at = base + ((g + j) * heads + h) * pair;
+          gr[j] = {at, at + key_group, 32};
+        }
+        // attend's stream: the next call's groups, all heads' K and V of them in one run, a share
+        // of it as long as what the call reads.
         const kernels::prefetch_region ahead =
-            g + 1 < ctx_groups ? kernels::prefetch_region{at + heads * pair, pair} : kernels::prefetch_region{};
-        t->attend_q4(q.as<float>() + h * per_head, nq, at, at + key_group, 32, head_dim, run_max + h * nq,
-                     run_sum + h * nq, acc.as<float>() + h * per_head, ahead);
+            g + 2 * per_call <= ctx_groups
+                ? kernels::prefetch_region{base + ((g + per_call) * heads + per_call * h) * pair, per_call * pair}
+                : kernels::prefetch_region{};
+        t->attend_q4(q.as<float>() + h * per_head, nq, gr, per_call, head_dim, run_max + h * nq, run_sum + h * nq,
+                     acc.as<float>() + h * per_head, ahead);
       }
     benchmark::ClobberMemory();
   }
@@ -314,9 +325,14 @@ void add(const std::string& name, F f) {
     if (t->attend_q4 != nullptr) {
       for (std::uint32_t nq : {1u, 4u}) {
         const std::string suffix = is + "/nq:" + std::to_string(nq);
-        add("BM_attend_step/q4/" + suffix + "/l2", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, true); });
-        add("BM_attend_step/q4/" + suffix + "/dram", [t, nq](benchmark::State& s) { attend_step_q4(s, t, nq, false); });
-        add("BM_attend_step/q4/" + suffix + "/stream", [t, nq](benchmark::State& s) { attend_step_q4_stream(s, t, nq); });
+        for (std::uint32_t g : {1u, 2u}) {
+          const std::string gs = "/g:" + std::to_string(g);
+          add("BM_attend_step/q4/" + suffix + "/l2" + gs, [t, nq, g](benchmark::State& s) { attend_step_q4(s, t, nq, true, g); });
+          add("BM_attend_step/q4/" + suffix + "/dram" + gs,
+              [t, nq, g](benchmark::State& s) { attend_step_q4(s, t, nq, false, g); });
+          add("BM_attend_step/q4/" + suffix + "/stream" + gs,
+              [t, nq, g](benchmark::State& s) { attend_step_q4_stream(s, t, nq, g); });
+        }
       }
     }
     // Where the fastest table is int8 for Q4 (VNNI), the float Q4 kernels too, to compare.

@@ -185,6 +185,9 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
   return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
 }
 
+// Whether chunk c is a Q4 group with Q4 values, with tokens.
+bool is_q4_group(const chunk& c) { return c.k_format == format::q4 && c.v_format == format::q4 && c.tokens > 0; }
+
 // Lines of `bytes` bytes.
 constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
 
@@ -427,17 +430,32 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       const std::uint32_t ch_tokens = tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
       if (off >= ch_tokens) continue;                  // empty (or an empty part)
       if (filled == 0 && c.kt->attend_q4 != nullptr && ch.k_format == format::q4 && ch.v_format == format::q4) {
-        // A whole Q4 group, keys and values, in one call per head (validated: off == 0): scores,
-        // softmax step and values of all the head's queries at once.
-        const chunk* ahead = chunk_ahead(view, ci, hd);
-        if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
-        const std::size_t lines = lines_of(key_head_bytes(ch, hd)) + lines_of(value_head_bytes(ch, hd));
+        // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
+        // one call per head (validated: off == 0): scores, softmax step and values of all the
+        // head's queries over both groups as one tile. Prefetched: the tile after it.
+        kernels::q4_group_ref gr[2];
+        const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
+                          tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
+        const std::uint32_t n = pair ? 2 : 1;
+        std::size_t lines = 0;
+        for (std::uint32_t j = 0; j < n; ++j) {
+          const chunk& cj = view.chunks[ci + j];
+          lines += lines_of(key_head_bytes(cj, hd)) + lines_of(value_head_bytes(cj, hd));
+          if (ci + n - 1 + j < view.count) {
+            const chunk* ahead = chunk_ahead(view, ci + n - 1 + j, hd);
+            if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
+          }
+        }
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
-          c.kt->attend_q4(hs.qf, g, reinterpret_cast<const std::uint8_t*>(ch.k_head(h)),
-                          reinterpret_cast<const std::uint8_t*>(ch.v_head(h)), ch.tokens, hd, hs.run_max, hs.run_sum,
-                          hs.acc, pf.take(lines));
+          for (std::uint32_t j = 0; j < n; ++j) {
+            const chunk& cj = view.chunks[ci + j];
+            gr[j] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)), reinterpret_cast<const std::uint8_t*>(cj.v_head(h)),
+                     cj.tokens};
+          }
+          c.kt->attend_q4(hs.qf, g, gr, n, hd, hs.run_max, hs.run_sum, hs.acc, pf.take(lines));
         }
+        ci += n - 1;
         start_ci = ci + 1;  // the tile starts after it
         start_off = 0;
         continue;

@@ -17,6 +17,11 @@
 // Values (accumulate_q4) are integer too, for every head_dim: per group, query i and block column
 // g, the weights w_t = p_t * scale_t become u8 on a grid of step = max_t p_t * max_t scale_t / 255
 // (over the group's tokens in range), and vpdpbusd sums them with the codes over token quads. The
+// fused step (attend_q4) takes two groups as one softmax tile, their weights on one grid (the
+// maxima over both groups' tokens) and so their integer sums in the same accumulators: the
+// softmax step's reductions, the value columns' bases and the float epilogue once per 64 tokens.
+// On cached groups that measured 1.12-1.15x faster, in attend at 32k 1.07-1.08x (medians of 40
+// paired rounds, 1 and 2 threads). The
 // codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
 // is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. (The layout
 // has no power-of-two condition on the block count any more: one column's set-up is the same at
@@ -302,26 +307,37 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
 
 constexpr unsigned value_columns = 4;  // block columns per set-up (one reduction tree)
 
+// The value groups of one softmax tile, G (1, 2) of them: group gi's codes v[gi], its tokens in
+// range (bit t: token t) tm[gi], covered by its token quads [q0[gi], q1[gi]).
+template <unsigned G>
+struct tile_groups {
+  const std::uint8_t* v[G];
+  __mmask32 tm[G];
+  unsigned q0[G], q1[G];
+};
+
 // What the set-up of a batch of columns hands the integer loop, per query i and column c.
-template <unsigned NQ>
+template <unsigned NQ, unsigned G>
 struct column_weights {
-  alignas(64) std::uint8_t w[NQ][value_columns][32];  // u8 weights of the group's tokens: dword Q = tokens 4Q..4Q+3
-  alignas(64) float step[16];                          // lane 4 i + c: the grid step of the weights, over 16
-  alignas(64) float base[16];                          // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
+  alignas(64) std::uint8_t w[NQ][value_columns][32 * G];  // u8 weights: group gi's tokens at 32 gi, dword Q = tokens 4Q..4Q+3
+  alignas(64) float step[16];                              // lane 4 i + c: the grid step of the weights, over 16
+  alignas(64) float base[16];                              // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
 };
 
 // acc[i][32 c .. 32 c + 32) (up to hd_left channels from the first column's) += column c's share
-// of sum_t p_t v_t, for NC (1, 2) adjacent columns, over token quads [q0, q1) of their codes (a
-// 64-byte row each: dword j = channel byte j of the quad's four tokens). The codes enter centred
-// and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for the high nibbles (channels
-// 16..31), the same of x << 4 for the low ones (channels 0..15). Weights of query i, column c at
-// w + i * w_stride + 32 c; step, base of query i, column c at [i * sb_stride + c].
+// of sum_t p_t v_t, for NC (1, 2) adjacent columns from column offset `at` (bytes) of each group,
+// over the groups' token quads [q0, q1) of their codes (a 64-byte row each: dword j = channel
+// byte j of the quad's four tokens), all G groups into the same integer sums (their weights are on
+// one grid). The codes enter centred and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for
+// the high nibbles (channels 16..31), the same of x << 4 for the low ones (channels 0..15).
+// Weights of query i, column c, group gi at w + i * w_stride + 32 G c + 32 gi; step, base of
+// query i, column c at [i * sb_stride + c].
 // Two columns a call: 4 NQ independent chains of vpdpbusd (latency 4) rather than 2 NQ, and half
 // the calls. Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
-template <unsigned NQ, unsigned NC>
-__attribute__((noinline)) void value_columns_of(const std::uint8_t* codes, unsigned q0, unsigned q1,
-                                                const std::uint8_t* w, std::size_t w_stride, const float* step,
-                                                const float* base, std::size_t sb_stride, unsigned hd_left, float* acc,
+template <unsigned NQ, unsigned NC, unsigned G>
+__attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::size_t at, const std::uint8_t* w,
+                                                std::size_t w_stride, const float* step, const float* base,
+                                                std::size_t sb_stride, unsigned hd_left, float* acc,
                                                 std::size_t acc_stride, line_prefetch& pfr) {
   line_prefetch pf = pfr;
   const __m512i nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -330,30 +346,36 @@ __attribute__((noinline)) void value_columns_of(const std::uint8_t* codes, unsig
   for (unsigned c = 0; c < NC; ++c)
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) a0[c][i] = a1[c][i] = _mm512_setzero_si512();
-  auto quad = [&](unsigned j) __attribute__((always_inline)) {
 #pragma GCC unroll 2
-    for (unsigned c = 0; c < NC; ++c) {
-      const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
-      // (a & b) ^ c: imm 0x6A.
-      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
-      const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
+  for (unsigned gi = 0; gi < G; ++gi) {
+    const std::uint8_t* codes = tg.v[gi] + at;
+    const std::uint8_t* wg = w + 32 * gi;
+    auto quad = [&](unsigned j) __attribute__((always_inline)) {
+#pragma GCC unroll 2
+      for (unsigned c = 0; c < NC; ++c) {
+        const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
+        // (a & b) ^ c: imm 0x6A.
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
+        const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
 #pragma GCC unroll 8
-      for (unsigned i = 0; i < NQ; ++i) {
-        const __m512i wi = _mm512_set1_epi32(dword_at(w + i * w_stride + 32 * c + 4 * j));
-        dpbusd(a0[c][i], wi, lo);
-        dpbusd(a1[c][i], wi, hi);
+        for (unsigned i = 0; i < NQ; ++i) {
+          const __m512i wi = _mm512_set1_epi32(dword_at(wg + i * w_stride + 32 * G * c + 4 * j));
+          dpbusd(a0[c][i], wi, lo);
+          dpbusd(a1[c][i], wi, hi);
+        }
       }
+    };
+    const unsigned q1 = tg.q1[gi];
+    unsigned j = tg.q0[gi];
+    for (; j + 2 <= q1; j += 2) {
+      pf.rows(2 * NC);
+      quad(j);
+      quad(j + 1);
     }
-  };
-  unsigned j = q0;
-  for (; j + 2 <= q1; j += 2) {
-    pf.rows(2 * NC);
-    quad(j);
-    quad(j + 1);
-  }
-  if (j < q1) {
-    pf.rows(NC);
-    quad(j);
+    if (j < q1) {
+      pf.rows(NC);
+      quad(j);
+    }
   }
 #pragma GCC unroll 2
   for (unsigned c = 0; c < NC; ++c) {
@@ -393,11 +415,12 @@ __attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
 }
 
 // What a batch of columns' set-up takes from the scales and minimums alone (no weights): per
-// column c, the scales times 255 / max_t s and m + 8 s over the tokens in tm (0 elsewhere,
-// whatever is stored there), and max_t s (lane 4 c).
+// column c and group gi (at 32 gi), the scales times 255 / max_t s and m + 8 s over the tokens in
+// range (0 elsewhere, whatever is stored there), and max_t s over all G groups (lane 4 c).
+template <unsigned G>
 struct column_scales {
-  alignas(64) float s[value_columns][32];
-  alignas(64) float m8[value_columns][32];
+  alignas(64) float s[value_columns][32 * G];
+  alignas(64) float m8[value_columns][32 * G];
   __m512 smax;
 };
 
@@ -409,18 +432,20 @@ __attribute__((always_inline)) inline void column_halves(const std::uint8_t* h, 
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
 }
 
-// The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of value group v.
-__attribute__((always_inline)) inline void prepare_columns(const std::uint8_t* v, unsigned hd, __mmask32 tm, unsigned g0,
-                                                           unsigned nc, column_scales& cs) {
-  const std::uint8_t* scales = v + value_scales_at(hd);
-  const std::uint8_t* mins = v + value_mins_at(hd);
-  __m512 sl[4], sh[4], sm[4];
+// The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of the tile's groups.
+template <unsigned G>
+__attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>& tg, unsigned hd, unsigned g0,
+                                                           unsigned nc, column_scales<G>& cs) {
+  __m512 sl[4][G], sh[4][G], sm[4];
 #pragma GCC unroll 4
   for (unsigned c = 0; c < 4; ++c) {
     sm[c] = _mm512_setzero_ps();
     if (c < nc) {
-      column_halves(scales, g0 + c, tm, sl[c], sh[c]);
-      sm[c] = _mm512_max_ps(sl[c], sh[c]);
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        column_halves(tg.v[gi] + value_scales_at(hd), g0 + c, tg.tm[gi], sl[c][gi], sh[c][gi]);
+        sm[c] = _mm512_max_ps(sm[c], _mm512_max_ps(sl[c][gi], sh[c][gi]));
+      }
     }
   }
   cs.smax = reduce4(sm, max_of);
@@ -430,55 +455,61 @@ __attribute__((always_inline)) inline void prepare_columns(const std::uint8_t* v
 #pragma GCC unroll 4
   for (unsigned c = 0; c < 4; ++c) {
     if (c < nc) {
-      __m512 ml, mh;
-      column_halves(mins, g0 + c, tm, ml, mh);
-      _mm512_store_ps(cs.m8[c], _mm512_fmadd_ps(sl[c], _mm512_set1_ps(8.0f), ml));
-      _mm512_store_ps(cs.m8[c] + 16, _mm512_fmadd_ps(sh[c], _mm512_set1_ps(8.0f), mh));
       const __m512 si = _mm512_set1_ps(sinv[4 * c]);
-      _mm512_store_ps(cs.s[c], _mm512_mul_ps(sl[c], si));  // s 255 / max_t s
-      _mm512_store_ps(cs.s[c] + 16, _mm512_mul_ps(sh[c], si));
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        __m512 ml, mh;
+        column_halves(tg.v[gi] + value_mins_at(hd), g0 + c, tg.tm[gi], ml, mh);
+        _mm512_store_ps(cs.m8[c] + 32 * gi, _mm512_fmadd_ps(sl[c][gi], _mm512_set1_ps(8.0f), ml));
+        _mm512_store_ps(cs.m8[c] + 32 * gi + 16, _mm512_fmadd_ps(sh[c][gi], _mm512_set1_ps(8.0f), mh));
+        _mm512_store_ps(cs.s[c] + 32 * gi, _mm512_mul_ps(sl[c][gi], si));  // s 255 / max_t s
+        _mm512_store_ps(cs.s[c] + 32 * gi + 16, _mm512_mul_ps(sh[c][gi], si));
+      }
     }
   }
 }
 
-// acc[i][..] += sum_t p_t v_t over the tokens of one value group v whose lanes are set in tm (bit
-// t: token t), with p_t = u_t us_i: u_t of query i in lane t of ulo[i] (tokens 0..15) and uhi[i]
-// (16..31), 0 outside tm and at most 1 (up to rounding: the largest is about 1); us: lanes
-// 4 i .. 4 i + 3, the factor of query i. Token quads [q0, q1) cover tm. Per batch of columns: the
-// scales' maxima over the tokens in one tree, then per query and column the u8 weights
-// round(u s 255 / max_t s) (every one <= 255: p s on a grid of step = us max_t s / 255), and the
-// bases us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
-template <unsigned NQ>
-__attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], const __m512 (&uhi)[NQ], __m512 us,
-                                                     const std::uint8_t* v, __mmask32 tm, unsigned q0, unsigned q1,
+// acc[i][..] += sum_t p_t v_t over the tokens of the tile's G value groups in range, with
+// p_t = u_t us_i: u_t of query i, group gi in lane t of u[i][2 gi] (tokens 0..15) and
+// u[i][2 gi + 1] (16..31), 0 outside the range and at most 1 (up to rounding: the largest is about
+// 1); us: lanes 4 i .. 4 i + 3, the factor of query i. Per batch of columns: the scales' maxima
+// over the tile's tokens in one tree, then per query and column the u8 weights
+// round(u s 255 / max_t s) (every one <= 255: p s on one grid of step = us max_t s / 255 for all G
+// groups, whose integer sums therefore add up before the float epilogue), and the bases
+// us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
+template <unsigned NQ, unsigned G>
+__attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G], __m512 us, const tile_groups<G>& tg,
                                                      unsigned hd, float* acc, line_prefetch& pf,
-                                                     const column_scales* first = nullptr) {
+                                                     const column_scales<G>* first = nullptr) {
   const unsigned nb = value_blocks(hd);
   const __m512 pm = _mm512_mul_ps(us, _mm512_set1_ps(1.0f / (255.0f * 16.0f)));  // step / max_t s, over 16
   const __m512i order = _mm512_load_si512(low_bytes.b);
   const __m512i group_lane = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   const __m512 mg = _mm512_set1_ps(round_magic);
-  column_weights<NQ> cw;
-  column_scales own;
+  column_weights<NQ, G> cw;
+  column_scales<G> own;
   for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
     const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
-    const column_scales* cs = g0 == 0 && first != nullptr ? first : &own;
-    if (cs == &own) prepare_columns(v, hd, tm, g0, nc, own);
+    const column_scales<G>* cs = g0 == 0 && first != nullptr ? first : &own;
+    if (cs == &own) prepare_columns<G>(tg, hd, g0, nc, own);
     __m512 bsum[16];
 #pragma GCC unroll 16
     for (unsigned x = 0; x < 16; ++x) bsum[x] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (unsigned c = 0; c < 4; ++c) {
       if (c < nc) {
-        const __m512 sl = _mm512_load_ps(cs->s[c]), sh = _mm512_load_ps(cs->s[c] + 16);
-        const __m512 m8l = _mm512_load_ps(cs->m8[c]), m8h = _mm512_load_ps(cs->m8[c] + 16);
+#pragma GCC unroll 2
+        for (unsigned gi = 0; gi < G; ++gi) {
+          const __m512 sl = _mm512_load_ps(cs->s[c] + 32 * gi), sh = _mm512_load_ps(cs->s[c] + 32 * gi + 16);
+          const __m512 m8l = _mm512_load_ps(cs->m8[c] + 32 * gi), m8h = _mm512_load_ps(cs->m8[c] + 32 * gi + 16);
 #pragma GCC unroll 4
-        for (unsigned i = 0; i < NQ; ++i) {
-          const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(ulo[i], sl, mg));
-          const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(uhi[i], sh, mg));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c]),
-                             _mm512_castsi512_si256(_mm512_permutex2var_epi8(w0, order, w1)));
-          bsum[4 * c + i] = _mm512_fmadd_ps(ulo[i], m8l, _mm512_mul_ps(uhi[i], m8h));
+          for (unsigned i = 0; i < NQ; ++i) {
+            const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi], sl, mg));
+            const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi + 1], sh, mg));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c] + 32 * gi),
+                               _mm512_castsi512_si256(_mm512_permutex2var_epi8(w0, order, w1)));
+            bsum[4 * c + i] = _mm512_fmadd_ps(u[i][2 * gi], m8l, _mm512_fmadd_ps(u[i][2 * gi + 1], m8h, bsum[4 * c + i]));
+          }
         }
       }
     }
@@ -487,11 +518,11 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&ulo)[NQ], co
     _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
     unsigned c = 0;
     for (; c + 2 <= nc; c += 2)
-      value_columns_of<NQ, 2>(v + std::size_t{512} * (g0 + c), q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c,
-                              cw.base + c, 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+      value_columns_of<NQ, 2, G>(tg, std::size_t{512} * (g0 + c), cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c,
+                                 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
     if (c < nc)
-      value_columns_of<NQ, 1>(v + std::size_t{512} * (g0 + c), q0, q1, cw.w[0][c], sizeof cw.w[0], cw.step + c,
-                              cw.base + c, 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+      value_columns_of<NQ, 1, G>(tg, std::size_t{512} * (g0 + c), cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c,
+                                 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
   }
 }
 
@@ -534,16 +565,19 @@ void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, 
     _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_setzero_ps(), _CMP_GT_OQ),
                                             _mm512_set1_ps(1.0f), _mm512_mul_ps(pmax, b)));
   }
+  __m512 u[NQ][2];
 #pragma GCC unroll 4
   for (unsigned i = 0; i < NQ; ++i) {
     const __m512 b = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
-    plo[i] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
-    phi[i] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
+    u[i][0] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
+    u[i][1] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
   }
-  values_nq<NQ>(plo, phi, pmax, v, tm, first / 4, (end + 3) / 4, hd, acc, pf);
+  const tile_groups<1> tg{{v}, {tm}, {first / 4}, {(end + 3) / 4}};
+  values_nq<NQ, 1>(u, pmax, tg, hd, acc, pf);
 }
 
-// ---- the online-softmax step over one group: scores, weights and values of four queries -------
+// ---- the online-softmax step over one tile of G (1, 2) groups: scores, weights and values of
+// four queries ----
 
 #include "avx512_float_ops.inl"
 using S = avx512_float_ops;
@@ -551,39 +585,57 @@ using S = avx512_float_ops;
 // 2^x for x <= 0, as attend()'s softmax step computes it.
 #include "exp2_simd.inl"
 
-// table::attend_q4 for NQ (1..4) queries: the scores in registers, the softmax step with the
-// queries' maxima and sums each reduced in one tree, and the values with the weights straight
-// from registers. Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
-template <unsigned NQ>
-void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, unsigned tokens, unsigned hd,
-               float* run_max, float* run_sum, float* acc, line_prefetch& pf) {
-  __m512 s[NQ][2], mx[4];
-  const auto tm = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
+// table::attend_q4 for NQ (1..4) queries over G groups as one tile: the scores in registers, the
+// softmax step with the queries' maxima and sums each reduced in one tree over all G groups, and
+// the values with the weights straight from registers, all G groups' integer sums on one grid
+// and one float epilogue (two groups a tile halve the set-up that is per tile rather than per
+// group). Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
+template <unsigned NQ, unsigned G>
+void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
+               line_prefetch& pf) {
+  __m512 s[G][NQ][2], mx[4];
+  tile_groups<G> tg;
+  __mmask16 m[G][2];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) {
+    const unsigned tokens = gr[gi].tokens;
+    tg.v[gi] = gr[gi].v;
+    tg.tm[gi] = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
+    tg.q0[gi] = 0;
+    tg.q1[gi] = (tokens + 3) / 4;
+    m[gi][0] = lanes_mask(lanes(tokens, 0));
+    m[gi][1] = lanes_mask(lanes(tokens, 1));
+  }
   const unsigned nb = value_blocks(hd);
-  column_scales first;  // the first batch of value columns, prepared while the keys wait
-  auto prepare = [&] { prepare_columns(v, hd, tm, 0, nb < value_columns ? nb : value_columns, first); };
+  column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
+  auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ>(q, k, hd, s, pf, prepare);
+    scores_of<NQ>(q, gr[0].k, hd, s[0], pf, prepare);
+    if constexpr (G == 2) scores_of<NQ>(q, gr[1].k, hd, s[1], pf);
   } else {  // see scores_q4
     prepare();
-    alignas(64) float w[NQ][32];
-    avx512::float_q4().scores_q4(q, NQ, k, tokens, hd, &w[0][0], 32, {});
+#pragma GCC unroll 2
+    for (unsigned gi = 0; gi < G; ++gi) {
+      alignas(64) float w[NQ][32];
+      avx512::float_q4().scores_q4(q, NQ, gr[gi].k, gr[gi].tokens, hd, &w[0][0], 32, {});
 #pragma GCC unroll 4
-    for (unsigned i = 0; i < NQ; ++i) {
-      s[i][0] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 0)), w[i]);  // lanes past tokens: masked below
-      s[i][1] = _mm512_maskz_load_ps(lanes_mask(lanes(tokens, 1)), w[i] + 16);
+      for (unsigned i = 0; i < NQ; ++i) {
+        s[gi][i][0] = _mm512_maskz_load_ps(m[gi][0], w[i]);  // lanes past tokens: masked below
+        s[gi][i][1] = _mm512_maskz_load_ps(m[gi][1], w[i] + 16);
+      }
     }
   }
-  const __mmask16 m0 = lanes_mask(lanes(tokens, 0)), m1 = lanes_mask(lanes(tokens, 1));
   const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
+    mx[i] = ninf;
     if (i < NQ) {
-      s[i][0] = _mm512_mask_mov_ps(ninf, m0, s[i][0]);
-      s[i][1] = _mm512_mask_mov_ps(ninf, m1, s[i][1]);
-      mx[i] = _mm512_max_ps(s[i][0], s[i][1]);
-    } else {
-      mx[i] = ninf;
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        s[gi][i][0] = _mm512_mask_mov_ps(ninf, m[gi][0], s[gi][i][0]);
+        s[gi][i][1] = _mm512_mask_mov_ps(ninf, m[gi][1], s[gi][i][1]);
+        mx[i] = _mm512_max_ps(mx[i], _mm512_max_ps(s[gi][i][0], s[gi][i][1]));
+      }
     }
   }
   alignas(64) float tile_max[16];
@@ -596,17 +648,19 @@ void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, uns
                                   _mm512_maskz_loadu_ps(lanes_mask(NQ), run_max)));
   const __m512 us = exp2_nonpositive(_mm512_sub_ps(tmax, m_new_v));
   float m_new[NQ];
-  __m512 ulo[NQ], uhi[NQ], sum[4];
+  __m512 u[NQ][2 * G], sum[4];
 #pragma GCC unroll 4
   for (unsigned i = 0; i < 4; ++i) {
+    sum[i] = _mm512_setzero_ps();
     if (i < NQ) {
       m_new[i] = tile_max[4 * i] > run_max[i] ? tile_max[4 * i] : run_max[i];
-      const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), tmax);
-      ulo[i] = _mm512_maskz_mov_ps(m0, exp2_nonpositive(_mm512_sub_ps(s[i][0], m)));
-      uhi[i] = _mm512_maskz_mov_ps(m1, exp2_nonpositive(_mm512_sub_ps(s[i][1], m)));
-      sum[i] = _mm512_add_ps(ulo[i], uhi[i]);
-    } else {
-      sum[i] = _mm512_setzero_ps();
+      const __m512 mi = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), tmax);
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        u[i][2 * gi] = _mm512_maskz_mov_ps(m[gi][0], exp2_nonpositive(_mm512_sub_ps(s[gi][i][0], mi)));
+        u[i][2 * gi + 1] = _mm512_maskz_mov_ps(m[gi][1], exp2_nonpositive(_mm512_sub_ps(s[gi][i][1], mi)));
+        sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(u[i][2 * gi], u[i][2 * gi + 1]));
+      }
     }
   }
   alignas(64) float total[16];
@@ -629,7 +683,24 @@ void attend_nq(const float* q, const std::uint8_t* k, const std::uint8_t* v, uns
     }
     run_sum[i] += total[4 * i];
   }
-  values_nq<NQ>(ulo, uhi, us, v, tm, 0, (tokens + 3) / 4, hd, acc, pf, &first);
+  values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
+}
+
+template <unsigned G>
+void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* gr, std::uint32_t head_dim, float* run_max,
+                 float* run_sum, float* acc, line_prefetch& pf) {
+  line_prefetch none;
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    line_prefetch& f = i0 == 0 ? pf : none;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: attend_nq<1, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 2: attend_nq<2, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 3: attend_nq<3, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      default: attend_nq<4, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
+    }
+  }
 }
 
 }  // namespace
@@ -661,23 +732,27 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
   }
 }
 
-void attend_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
+void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
-  if (tokens == 0) return;
   // Spread over the channel quads of the first queries' scores and the token quads of their value
-  // columns: all of it in the scores alone (three lines a quad) stalled them.
-  line_prefetch rp(pf, key_channels(head_dim) / 4 + value_blocks(head_dim) * ((tokens + 3) / 4)), none;
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
-    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    line_prefetch& f = i0 == 0 ? rp : none;
-    switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: attend_nq<1>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 2: attend_nq<2>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 3: attend_nq<3>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      default: attend_nq<4>(qi, k, v, tokens, head_dim, run_max + i0, run_sum + i0, a, f); break;
+  // columns, over all the groups: all of it in the scores alone (three lines a quad) stalled them.
+  unsigned rows = 0;
+  for (std::uint32_t g = 0; g < count; ++g)
+    if (groups[g].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[g].tokens + 3) / 4);
+  if (rows == 0) return;
+  line_prefetch rp(pf, rows);
+  // Two groups a tile (a last odd one alone); groups without tokens are skipped.
+  q4_group_ref pair[2];
+  unsigned n = 0;
+  for (std::uint32_t g = 0; g < count; ++g) {
+    if (groups[g].tokens == 0) continue;
+    pair[n++] = groups[g];
+    if (n == 2) {
+      attend_tile<2>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+      n = 0;
     }
   }
+  if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
 }
 
 }  // namespace kvcache::kernels::avx512vnni

@@ -31,7 +31,7 @@ using scores_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* 
 using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
                               std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
                               prefetch_region pf);
-using attend_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
+using attend_q4_fn = void(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                           std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf);
 #if defined(KVCACHE_HAVE_AVX2)
 namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }

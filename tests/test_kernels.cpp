@@ -633,13 +633,27 @@ TEST_P(Kernels, AccumulateQ4) {
         }
 }
 
-// The fused online-softmax step over one Q4 group (table::attend_q4, where a table has one)
-// against the same step in float64 on the table's own scores (scores_q4 is tested above) and the
-// stored values: the running max exactly, the running sum to float rounding, the accumulators
-// within the int8 weights' bound (as in AccumulateQ4) of the rescaled old ones plus the new sums.
+// The fused online-softmax step (table::attend_q4, where a table has one) over a list of Q4
+// groups against the same steps in float64 on the table's own scores (scores_q4 is tested above)
+// and the stored values: the running max exactly, the running sum to float rounding, the
+// accumulators within the int8 weights' bound (as in AccumulateQ4) of the rescaled old ones plus
+// the new sums. The kernel takes the groups with tokens two at a time as one tile, whose int8
+// weights share one grid: the bound is summed tile by tile, each with its own largest weight and
+// value scale.
 TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
   KVCACHE_SEED_TRACE();
   bool any = false;
+  // Token counts of the groups of one call: one group; pairs, full or ragged either side; an
+  // empty group between two (skipped: the other two are one tile); a pair and a last one alone.
+  std::vector<std::vector<std::uint32_t>> lists;
+  for (std::uint32_t tokens : {1u, 2u, 7u, 16u, 17u, 31u, 32u}) lists.push_back({tokens});
+  for (std::uint32_t tokens : {1u, 17u, 32u}) {
+    lists.push_back({32, tokens});
+    lists.push_back({tokens, 32});
+  }
+  lists.push_back({32, 0, 9});
+  lists.push_back({32, 32, 32});
+  lists.push_back({0});
   for (const kernels::table* t : q4_tables(GetParam())) {
     if (t->attend_q4 == nullptr) continue;
     any = true;
@@ -647,59 +661,90 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
     dims.push_back(16400);  // keys past the int8 kernel's widest head (see ScoresQ4)
     for (std::uint32_t hd : dims)
       for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 8u, 9u})
-        for (std::uint32_t tokens : {1u, 2u, 7u, 16u, 17u, 31u, 32u})
+        for (const std::vector<std::uint32_t>& list : lists)
           for (int state = 0; state < 3; ++state) {  // first group; max grows; max stays
-            if (hd > 4096 && (nq != 2 || tokens != 32 || state != 1)) continue;
-            SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens, " state=", state));
-            const std::vector<half> krows = make_rows(rng_, tokens, hd, hd), vrows = make_rows(rng_, 32, hd, hd);
-            group_buf kb = key_buf(hd), vb = value_buf(hd);
-            ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kb.data());
-            // Values of all 32 tokens: those past `tokens` are stale and must not count.
-            ref_->quantize_values(vrows.data() + 1, hd, 32, hd, vb.data());
+            const std::size_t n = list.size();
+            if (hd > 4096 && (nq != 2 || list != std::vector<std::uint32_t>{32, 17} || state != 1)) continue;
+            if (hd > 128 && n > 1 && nq != 4 && nq != 5) continue;
+            SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " groups=", n, " first=", list[0],
+                             " last=", list.back(), " state=", state));
+            std::vector<group_buf> kbs, vbs;
+            kbs.reserve(n);
+            vbs.reserve(n);
             std::vector<float> q(nq * hd + 1);
             for (float& x : q) x = normal();
-            std::vector<float> s(nq * 32);
-            t->scores_q4(q.data() + 1, nq, kb.data(), tokens, hd, s.data(), 32, {});
+            std::vector<std::vector<float>> s(n, std::vector<float>(nq * 32));
+            std::vector<kernels::q4_group_ref> refs(n);
+            for (std::size_t j = 0; j < n; ++j) {
+              const std::uint32_t tokens = list[j];
+              const std::vector<half> krows = make_rows(rng_, 32, hd, hd), vrows = make_rows(rng_, 32, hd, hd);
+              kbs.push_back(key_buf(hd));
+              vbs.push_back(value_buf(hd));
+              if (tokens > 0) ref_->quantize_keys(krows.data() + 1, hd, tokens, hd, kbs[j].data());
+              // Values of all 32 tokens: those past `tokens` are stale and must not count.
+              ref_->quantize_values(vrows.data() + 1, hd, 32, hd, vbs[j].data());
+              if (tokens > 0) t->scores_q4(q.data() + 1, nq, kbs[j].data(), tokens, hd, s[j].data(), 32, {});
+              refs[j] = {kbs[j].data(), vbs[j].data(), tokens};
+            }
             std::vector<float> run_max(nq + 2), run_sum(nq + 2), acc(nq * hd + 2);
             for (std::uint32_t i = 0; i < nq; ++i) {
-              const float top = *std::max_element(s.begin() + i * 32, s.begin() + i * 32 + tokens);
-              run_max[1 + i] = state == 0 ? -std::numeric_limits<float>::infinity() : state == 1 ? top - 3.0f : top + 2.0f;
+              float top = -std::numeric_limits<float>::infinity();
+              for (std::size_t j = 0; j < n; ++j)
+                for (std::uint32_t tt = 0; tt < list[j]; ++tt) top = std::max(top, s[j][i * 32 + tt]);
+              const bool none = top == -std::numeric_limits<float>::infinity();
+              run_max[1 + i] = state == 0 ? -std::numeric_limits<float>::infinity()
+                               : none     ? normal()
+                               : state == 1 ? top - 3.0f
+                                            : top + 2.0f;
               run_sum[1 + i] = state == 0 ? 0.0f : 1.0f + std::abs(normal());
             }
             for (std::uint32_t j = 0; j < nq * hd; ++j) acc[1 + j] = state == 0 ? 0.0f : normal();
             const std::vector<float> max0 = run_max, sum0 = run_sum, acc0 = acc;
-            t->attend_q4(q.data() + 1, nq, kb.data(), vb.data(), tokens, hd, run_max.data() + 1, run_sum.data() + 1,
-                         acc.data() + 1, {});
+            t->attend_q4(q.data() + 1, nq, refs.data(), static_cast<std::uint32_t>(n), hd, run_max.data() + 1,
+                         run_sum.data() + 1, acc.data() + 1, {});
             ASSERT_EQ(run_max[0], max0[0]);
             ASSERT_EQ(run_max.back(), max0.back());
             ASSERT_EQ(acc[0], acc0[0]);
             ASSERT_EQ(acc.back(), acc0.back());
+            // The tiles as the kernel takes them: groups with tokens, two at a time.
+            std::vector<std::vector<std::size_t>> tiles;
+            for (std::size_t j = 0; j < n; ++j) {
+              if (list[j] == 0) continue;
+              if (tiles.empty() || tiles.back().size() == 2) tiles.emplace_back();
+              tiles.back().push_back(j);
+            }
             const bool int8 = t->q4_values == kernels::q4_arith::int8;
             for (std::uint32_t i = 0; i < nq; ++i) {
-              const float* si = s.data() + i * 32;
-              const float top = *std::max_element(si, si + tokens);
-              const double m = std::max<double>(max0[1 + i], top);
+              double m = max0[1 + i];
+              for (std::size_t j = 0; j < n; ++j)
+                for (std::uint32_t tt = 0; tt < list[j]; ++tt) m = std::max<double>(m, s[j][i * 32 + tt]);
               ASSERT_EQ(run_max[1 + i], static_cast<float>(m)) << "i=" << i;
               const double corr = state == 0 ? 0.0 : std::exp2(max0[1 + i] - m);
-              std::vector<double> w(tokens);
               double wsum = 0;
-              for (std::uint32_t tt = 0; tt < tokens; ++tt) wsum += w[tt] = std::exp2(si[tt] - m);
+              for (std::size_t j = 0; j < n; ++j)
+                for (std::uint32_t tt = 0; tt < list[j]; ++tt) wsum += std::exp2(s[j][i * 32 + tt] - m);
               const double want_sum = sum0[1 + i] * corr + wsum;
-              ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-5 * want_sum) << "i=" << i;
-              const double wmax = *std::max_element(w.begin(), w.end());
+              ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-5 * want_sum + 1e-30) << "i=" << i;
               for (std::uint32_t d = 0; d < hd; ++d) {
-                double ref = acc0[1 + i * hd + d] * corr, mag = std::abs(ref), smax = 0, centred = 0;
-                for (std::uint32_t tt = 0; tt < tokens; ++tt) {
-                  double cm;
-                  const double vv = value_value(vb.data(), hd, tt, d, &cm);
-                  const double st = value_scale(vb.data(), hd, tt, d);
-                  ref += w[tt] * vv;
-                  mag += w[tt] * (cm + 16.0 * st);
-                  smax = std::max(smax, st);
-                  centred += std::abs(kvcache::q4_value_code(vb.data(), tt, d) - 8.0);
+                double ref = acc0[1 + i * hd + d] * corr, mag = std::abs(ref), bound = 0;
+                for (const std::vector<std::size_t>& tile : tiles) {
+                  double wmax = 0, smax = 0, centred = 0;
+                  for (std::size_t j : tile)
+                    for (std::uint32_t tt = 0; tt < list[j]; ++tt) {
+                      const double w = std::exp2(s[j][i * 32 + tt] - m);
+                      double cm;
+                      const double vv = value_value(vbs[j].data(), hd, tt, d, &cm);
+                      const double st = value_scale(vbs[j].data(), hd, tt, d);
+                      ref += w * vv;
+                      mag += w * (cm + 16.0 * st);
+                      wmax = std::max(wmax, w);
+                      smax = std::max(smax, st);
+                      centred += std::abs(kvcache::q4_value_code(vbs[j].data(), tt, d) - 8.0);
+                    }
+                  bound += (0.5 + 1e-4) * wmax * smax / 255.0 * centred;
                 }
                 // The weights carry the polynomial exp2's error (~1e-6 relative) besides rounding.
-                const double tol = 1e-5 * mag + (int8 ? (0.5 + 1e-4) * wmax * smax / 255.0 * centred : 0.0) + 1e-30;
+                const double tol = 1e-5 * mag + (int8 ? bound : 0.0) + 1e-30;
                 ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
               }
             }

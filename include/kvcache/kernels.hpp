@@ -40,6 +40,14 @@ struct prefetch_region {
   std::size_t bytes = 0;
 };
 
+/// One Q4 group of table::attend_q4: key group k and value group v (format.hpp) of `tokens`
+/// (0..32) tokens.
+struct q4_group_ref {
+  const std::uint8_t* k = nullptr;
+  const std::uint8_t* v = nullptr;
+  std::uint32_t tokens = 0;
+};
+
 /// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
 struct table {
   isa which;
@@ -99,15 +107,18 @@ struct table {
   q4_arith q4_values = q4_arith::float32;
 
   /// Optional, nullptr where a table has none (attend() then calls scores_q4, its own softmax step
-  /// and accumulate_q4): one online-softmax step of decode attention over tokens 0..tokens-1
-  /// (1..32) of a Q4 key group k and a Q4 value group v (format.hpp), for queries q [nq][head_dim] that give base-2 logits. For each query i:
-  /// s_t = its scores as scores_q4 computes them, m = max(run_max[i], max_t s_t); where m exceeds
-  /// run_max[i], acc[i][..] and run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while
-  /// run_max[i] is -inf); then with w_t = 2^(s_t - m): run_sum[i] += sum_t w_t, acc[i][..] +=
-  /// sum_t w_t v_t as accumulate_q4 sums it, run_max[i] = m. One call instead of three, with the
-  /// scores and weights of four queries kept side by side. pf: see prefetch_region.
-  /// // q [nq][head_dim], run_max, run_sum [nq], acc [nq][head_dim]
-  void (*attend_q4)(const float* q, std::uint32_t nq, const std::uint8_t* k, const std::uint8_t* v, std::uint32_t tokens,
+  /// and accumulate_q4): online-softmax steps of decode attention over `count` Q4 groups in order
+  /// (groups[j]: tokens 0..tokens-1 of key group k and value group v; groups of 0 tokens are
+  /// skipped), for queries q [nq][head_dim] that give base-2 logits. The groups are taken two at
+  /// a time as one tile: for each query i, s_t = its scores over the tile's tokens as scores_q4
+  /// computes them, m = max(run_max[i], max_t s_t); where m exceeds run_max[i], acc[i][..] and
+  /// run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while run_max[i] is -inf); then with
+  /// w_t = 2^(s_t - m): run_sum[i] += sum_t w_t, acc[i][..] += sum_t w_t v_t as accumulate_q4
+  /// sums it (in int8 arithmetic with the weights on one grid over the tile), run_max[i] = m.
+  /// One call instead of three per group, with the scores and weights of four queries kept side
+  /// by side. pf: see prefetch_region.
+  /// // q [nq][head_dim], groups [count], run_max, run_sum [nq], acc [nq][head_dim]
+  void (*attend_q4)(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                     std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
                     prefetch_region pf) = nullptr;
 };
