@@ -170,8 +170,8 @@ result<two_tier_cache<cuda>> two_tier_cache<cuda>::create(const two_tier_config&
     if (f != format::q4 && f != format::f16)
       return fail(errc::invalid_argument, "two_tier_config: store formats must be q4 or f16",
                   {{"key_format", static_cast<long long>(cfg.key_format)}, {"value_format", static_cast<long long>(cfg.value_format)}});
-  if (cfg.slab_groups == 0 || cfg.slab_groups > (1u << 20))
-    return fail(errc::invalid_argument, "two_tier_config.slab_groups must be in [1, 2^20]", {{"slab_groups", cfg.slab_groups}});
+  if (cfg.slab_groups > (1u << 20))
+    return fail(errc::invalid_argument, "two_tier_config.slab_groups must be in [0, 2^20]", {{"slab_groups", cfg.slab_groups}});
   if (cfg.max_tokens == 0 || cfg.max_tokens > std::numeric_limits<std::uint32_t>::max())
     return fail(errc::invalid_argument, "two_tier_cache<cuda>: max_tokens must be in [1, 2^32) (device memory is sized from it)",
                 {{"max_tokens", static_cast<long long>(cfg.max_tokens)}});

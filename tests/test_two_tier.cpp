@@ -207,8 +207,8 @@ TEST(two_tier_config_check, bad_values_are_named) {
   expect_error(cache_t::create(config_of(g, 128, format::f32)), errc::invalid_argument, {"key_format=0"});
   expect_error(cache_t::create(config_of(g, 128, format::q4, format::f32)), errc::invalid_argument,
                {"value_format=0"});
-  expect_error(cache_t::create(config_of(g, 128, format::q4, format::q4, 0)), errc::invalid_argument,
-               {"slab_groups=0"});
+  expect_error(cache_t::create(config_of(g, 128, format::q4, format::q4, (1u << 20) + 1)), errc::invalid_argument,
+               {"slab_groups=1048577"});
   auto cfg = config_of(g, 128);
   cfg.max_tokens = std::size_t{1} << 32;
   expect_error(cache_t::create(cfg), errc::invalid_argument, {"max_tokens=4294967296"});
@@ -225,6 +225,36 @@ TEST(two_tier_config_check, bad_values_are_named) {
 }
 
 // ---- tiers --------------------------------------------------------------------------------
+
+// slab_groups = 0 (the default): the fewest groups, at least 16, whose slab spans a huge page.
+TEST(two_tier_config_check, default_slabs_span_a_huge_page) {
+  kvcache_test::random_source rnd;
+  SCOPED_TRACE(rnd.trace());
+  two_tier_config cfg;
+  EXPECT_EQ(cfg.slab_groups, 0u);
+  // One layer of 8 kv heads x 128: a Q4 group slot of 8 * (128 + 32 * 4) * 20 = 40960 bytes, so
+  // ceil(2 MiB / 40960) = 52 groups (2129920 bytes).
+  cfg.shape = geometry{1, 8, 128};
+  cache_t c = make(cfg);
+  EXPECT_EQ(c.group_bytes(), 40960u);
+  EXPECT_EQ(c.settings().slab_groups, 52u);
+  auto m = kvcache_test::create_seq(c);
+  grow(c, m, 200, rnd);
+  EXPECT_GE(c.stats().store_groups, 1u);
+  EXPECT_EQ(c.stats().store_bytes, 52u * 40960);
+  // FP16 store groups of 2 heads x 64 at one layer: 2 * 2 * 32 * 64 * 2 = 16384 bytes, 128 groups.
+  cfg.shape = geometry{1, 2, 64};
+  cfg.key_format = cfg.value_format = format::f16;
+  EXPECT_EQ(make(cfg).settings().slab_groups, 128u);
+  // 32 layers of 8 x 128 in Q4: 1310720 bytes a slot, 16 of them already span ten huge pages.
+  cfg.shape = geometry{32, 8, 128};
+  cfg.key_format = cfg.value_format = format::q4;
+  EXPECT_EQ(make(cfg).settings().slab_groups, 16u);
+  // A count that is given is kept.
+  cfg.shape = geometry{1, 8, 128};
+  cfg.slab_groups = 3;
+  EXPECT_EQ(make(cfg).settings().slab_groups, 3u);
+}
 
 TEST(two_tier, migration_follows_the_tail_rule_and_views_list_groups_then_tail) {
   kvcache_test::random_source rnd;
@@ -412,25 +442,31 @@ TEST(two_tier, q4_at_32k_tokens_is_under_a_third_of_f16) {
   kvcache_test::random_source rnd;
   SCOPED_TRACE(rnd.trace());
   const geometry g{1, 8, 128};
-  cache_t c = make(config_of(g, 128, format::q4, format::q4, 16));
-  const seq_id id = c.create().value();
-  const std::size_t n = 512, tw = g.token_width();
-  const std::vector<float> k = rnd.values(n * tw), v = rnd.values(n * tw);
-  for (std::size_t done = 0; done < 32768; done += n) {
-    ASSERT_TRUE(c.reserve(id, n).has_value());
-    ASSERT_TRUE(c.write(id, 0, std::span<const float>(k), std::span<const float>(v)).has_value());
-    ASSERT_TRUE(c.commit(id).has_value());
+  // Slabs of 16 groups, and the default (52 groups here: see default_slabs_span_a_huge_page).
+  for (const std::uint32_t slab : {16u, 0u}) {
+    SCOPED_TRACE("slab_groups " + std::to_string(slab));
+    cache_t c = make(config_of(g, 128, format::q4, format::q4, slab));
+    const seq_id id = c.create().value();
+    const std::size_t n = 512, tw = g.token_width();
+    const std::vector<float> k = rnd.values(n * tw), v = rnd.values(n * tw);
+    for (std::size_t done = 0; done < 32768; done += n) {
+      ASSERT_TRUE(c.reserve(id, n).has_value());
+      ASSERT_TRUE(c.write(id, 0, std::span<const float>(k), std::span<const float>(v)).has_value());
+      ASSERT_TRUE(c.commit(id).has_value());
+    }
+    const auto st = c.stats();
+    EXPECT_EQ(st.tokens, 32768u);
+    // 32768 = 1020 groups + a tail of 128: 1020 groups in 64 slabs of 16 (1024 slots), or in 20
+    // slabs of 52 (1040 slots).
+    EXPECT_EQ(st.store_groups, 1020u);
+    EXPECT_EQ(st.store_bytes, (slab == 16 ? 1024u : 1040u) * 8 * (128 + 32 * 4) * 20);
+    EXPECT_EQ(st.tail_bytes, 8u * 2 * 192 * 128 * 2);
+    const double fraction = static_cast<double>(st.resident_bytes + st.metadata_bytes) / static_cast<double>(st.f16_bytes);
+    EXPECT_LE(fraction, 0.33) << "all-in bytes / f16 bytes";
+    EXPECT_GE(fraction, 5.0 / 16.0) << "cannot beat 5 bits per value";
+    std::printf("two-tier q4/q4 at 32k tokens, slab_groups %u: %.4f of f16 bytes all-in (ratio %.3f)\n", slab, fraction,
+                st.compression_ratio);
   }
-  const auto st = c.stats();
-  EXPECT_EQ(st.tokens, 32768u);
-  // 32768 = 1020 groups + a tail of 128: 1020 groups in 64 slabs of 16 (1024 slots).
-  EXPECT_EQ(st.store_groups, 1020u);
-  EXPECT_EQ(st.store_bytes, 1024u * 8 * (128 + 32 * 4) * 20);
-  EXPECT_EQ(st.tail_bytes, 8u * 2 * 192 * 128 * 2);
-  const double fraction = static_cast<double>(st.resident_bytes + st.metadata_bytes) / static_cast<double>(st.f16_bytes);
-  EXPECT_LE(fraction, 0.33) << "all-in bytes / f16 bytes";
-  EXPECT_GE(fraction, 5.0 / 16.0) << "cannot beat 5 bits per value";
-  std::printf("two-tier q4/q4 at 32k tokens: %.4f of f16 bytes all-in (ratio %.3f)\n", fraction, st.compression_ratio);
 }
 
 // ---- truncate across tiers ----------------------------------------------------------------

@@ -19,7 +19,8 @@
 ///
 /// Allocation policy (stats() reports exactly what is allocated):
 /// - a sequence's tail ring is allocated by its first reserve() and kept until release();
-/// - store group slots are allocated in slabs of `slab_groups` groups as the sequence grows;
+/// - store group slots are allocated in slabs of `slab_groups` groups (by default enough for a
+///   huge page) as the sequence grows;
 ///   truncate() frees every slab left without a live group; slots of groups dropped by streaming
 ///   are reused by later groups (their slabs stay);
 /// - metadata (group table, per-layer chunk arrays, free-slot list, slab table) is sized for the
@@ -95,7 +96,13 @@ struct two_tier_config {
   /// a group to drop).
   std::uint32_t sink_tokens = 0;
   std::size_t max_sequences = 0;   ///< most live sequences at once; 0: unbounded
-  std::uint32_t slab_groups = 16;  ///< store allocation unit, in 32-token groups (1 .. 2^20)
+  /// Store allocation unit, in 32-token groups (0 .. 2^20). 0: the cache picks the fewest groups,
+  /// at least 16, whose slab spans a huge page (2 MiB; see detail/storage.hpp): 16 where a group
+  /// slot (every layer's K and V of 32 tokens) is 128 KiB or more, as in most models, and more for
+  /// a small one (one layer, few or narrow heads), whose 16-group slabs would sit on 4 KiB pages:
+  /// at one layer of 8 kv heads x 128 those made a 32k decode step 1.1x slower (the store's TLB
+  /// misses). settings() gives the number chosen.
+  std::uint32_t slab_groups = 0;
 };
 
 /// Memory and token counters of a two_tier_cache, summed over live sequences. Byte counts are
@@ -223,8 +230,8 @@ class two_tier_cache<cpu> {
         return fail(errc::invalid_argument, "two_tier_config: store formats must be q4 or f16",
                     {{"key_format", static_cast<long long>(cfg.key_format)},
                      {"value_format", static_cast<long long>(cfg.value_format)}});
-    if (cfg.slab_groups == 0 || cfg.slab_groups > (1u << 20))
-      return fail(errc::invalid_argument, "two_tier_config.slab_groups must be in [1, 2^20]",
+    if (cfg.slab_groups > (1u << 20))
+      return fail(errc::invalid_argument, "two_tier_config.slab_groups must be in [0, 2^20]",
                   {{"slab_groups", cfg.slab_groups}});
     if (cfg.max_tokens > std::numeric_limits<std::uint32_t>::max())
       return fail(errc::invalid_argument, "two_tier_config.max_tokens must be < 2^32",
@@ -263,7 +270,11 @@ class two_tier_cache<cpu> {
     KVCACHE_TRY(layer_group);
     auto slot = checked_mul(*layer_group, g.layers, "two_tier: group bytes");
     KVCACHE_TRY(slot);
-    auto slab = checked_mul(*slot, cfg.slab_groups, "two_tier: slab bytes");
+    if (cfg.slab_groups == 0) {  // slot > 0: every dimension is at least 1
+      const std::size_t fill = (detail::huge_page_bytes + *slot - 1) / *slot;
+      c.cfg_.slab_groups = static_cast<std::uint32_t>(std::max<std::size_t>(16, fill));  // <= 2^17
+    }
+    auto slab = checked_mul(*slot, c.cfg_.slab_groups, "two_tier: slab bytes");
     KVCACHE_TRY(slab);
     c.layer_group_bytes_ = *layer_group;
     c.slot_bytes_ = *slot;
