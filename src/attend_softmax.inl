@@ -5,13 +5,9 @@
 namespace {
 
 // 2^x for x <= 0 (below -125: 2^-125, negligible next to the running max's weight 1). Round to
-// the nearest integer i, then a degree-5 polynomial of 2^f on |f| <= 0.5, times 2^i built in the
-// exponent bits. The polynomial is the minimax one for relative error (Remez), in f itself:
-// relative error 2.4e-7 at most evaluated in float (1.5e-7 of it the polynomial's), against 2.5e-7
-// for the degree-6 Taylor polynomial of e^(f ln 2) it replaced (session 14) in one multiply and
-// one FMA more.
-constexpr float exp2_c0 = 1.00000012f, exp2_c1 = 0.693146944f, exp2_c2 = 0.240221202f, exp2_c3 = 0.0555071309f,
-                exp2_c4 = 0.00967554096f, exp2_c5 = 0.00132764725f;
+// the nearest integer i, then the polynomial of exp2_poly.inl for 2^f, |f| <= 0.5, times 2^i
+// built in the exponent bits.
+#include "exp2_poly.inl"
 inline float exp2_nonpositive(float x) {
   x = x < -125.0f ? -125.0f : x;
   const int i = -static_cast<int>(0.5f - x);  // round(x) for x <= 0
