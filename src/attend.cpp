@@ -429,7 +429,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       const chunk& ch = view.chunks[ci];
       const std::uint32_t ch_tokens = tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
       if (off >= ch_tokens) continue;                  // empty (or an empty part)
-      if (filled == 0 && c.kt->attend_q4 != nullptr && ch.k_format == format::q4 && ch.v_format == format::q4) {
+      if (filled == 0 && c.kt->attend_q4 != nullptr && is_q4_group(ch)) {
         // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
         // one call per head (validated: off == 0): scores, softmax step and values of all the
         // head's queries over both groups as one tile. Prefetched: the tile after it.
