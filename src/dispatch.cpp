@@ -159,6 +159,14 @@ const table* find(isa i, q4_arith a) noexcept {
 #endif
   return nullptr;
 }
+
+const table* find_without_vnni(isa i) noexcept {
+#if defined(KVCACHE_HAVE_AVX2)
+  if (i == isa::avx2 && table_of(i) != nullptr) return &avx2::int8_without_vnni();
+#endif
+  (void)i;
+  return nullptr;
+}
 }  // namespace kernels
 
 }  // namespace kvcache

@@ -144,12 +144,23 @@ struct V {
 
 const table& float_q4() noexcept { return simd_table; }
 
-const table& get() noexcept {
+const table& int8_without_vnni() noexcept {
   static const table t = [] {
     table x = simd_table;
+    x.scores_q4 = avx2int8::scores_q4;
+    x.accumulate_q4 = avx2int8::accumulate_q4;
+    x.q4 = x.q4_values = q4_arith::int8;
+    return x;
+  }();
+  return t;
+}
+
+const table& get() noexcept {
+  static const table t = [] {
+    table x = int8_without_vnni();
     if (has_avx_vnni()) {
       x.scores_q4 = avx2vnni::scores_q4;
-      x.q4 = q4_arith::int8;
+      x.accumulate_q4 = avx2vnni::accumulate_q4;
     }
     return x;
   }();

@@ -23,9 +23,10 @@ namespace kvcache::kernels {
 
 namespace scalar { const table& get() noexcept; }
 
-// The x86 tables: get() has the int8 Q4 key scores (kernels_avx2vnni.cpp on CPUs with AVX-VNNI,
-// kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI) where the CPU has them, float_q4()
-// always the float Q4 kernels.
+// The x86 tables: get() has the int8 Q4 kernels where the CPU has them (AVX2: always, on
+// vpdpbusd in kernels_avx2vnni.cpp with AVX-VNNI, on vpmaddubsw in kernels_avx2int8.cpp
+// without; AVX-512: kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI), float_q4()
+// always the float Q4 kernels, avx2::int8_without_vnni() the vpmaddubsw ones.
 using scores_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                           std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
 using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
@@ -34,8 +35,13 @@ using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_
 using attend_q4_fn = void(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                           std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf);
 #if defined(KVCACHE_HAVE_AVX2)
-namespace avx2 { const table& get() noexcept; const table& float_q4() noexcept; }
-namespace avx2vnni { scores_q4_fn scores_q4; }
+namespace avx2 {
+const table& get() noexcept;
+const table& float_q4() noexcept;
+const table& int8_without_vnni() noexcept;
+}  // namespace avx2
+namespace avx2vnni { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
+namespace avx2int8 { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
 namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; }

@@ -496,12 +496,16 @@ TEST_P(Kernels, AccumulateF32) {
   check_accumulate_dense<float>(*t_, rng_, false);
 }
 
-// The tables of this test's ISA, one per Q4 arithmetic it has here (AVX-512: float, and int8
-// where the CPU has VNNI and VBMI; AVX2: float, and int8 where it has AVX-VNNI).
+// The tables of this test's ISA, one per Q4 kernel set it has here, the fastest last (AVX-512:
+// float, and int8 where the CPU has VNNI and VBMI; AVX2: float, int8 on vpmaddubsw, and int8 on
+// vpdpbusd where the CPU has AVX-VNNI).
 std::vector<const kernels::table*> q4_tables(isa i) {
   std::vector<const kernels::table*> r;
-  for (kernels::q4_arith a : {kernels::q4_arith::float32, kernels::q4_arith::int8})
-    if (const kernels::table* t = kernels::find(i, a)) r.push_back(t);
+  if (const kernels::table* t = kernels::find(i, kernels::q4_arith::float32)) r.push_back(t);
+  const kernels::table* plain = kernels::find_without_vnni(i);
+  if (plain != nullptr && plain != kernels::find(i)) r.push_back(plain);
+  if (const kernels::table* t = kernels::find(i, kernels::q4_arith::int8); t != nullptr && (r.empty() || r.back() != t))
+    r.push_back(t);
   return r;
 }
 
@@ -769,11 +773,59 @@ TEST_P(Kernels, Q4ArithmeticVariants) {
     EXPECT_EQ(t_->q4 == kernels::q4_arith::int8, vnni);
   }
   if (GetParam() == isa::avx2) {
+    // int8 on every AVX2 CPU; the kernels without VNNI where it lacks AVX-VNNI.
     unsigned a = 0, b = 0, c = 0, d = 0;
     const bool avx_vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 4)) != 0;
-    EXPECT_EQ(t_->q4 == kernels::q4_arith::int8, avx_vnni);
+    EXPECT_EQ(t_->q4, kernels::q4_arith::int8);
+    EXPECT_EQ(t_->q4_values, kernels::q4_arith::int8);
+    const kernels::table* plain = kernels::find_without_vnni(isa::avx2);
+    ASSERT_NE(plain, nullptr);
+    EXPECT_EQ(plain->q4, kernels::q4_arith::int8);
+    EXPECT_EQ(plain->q4_values, kernels::q4_arith::int8);
+    EXPECT_EQ(plain == t_, !avx_vnni);
+    EXPECT_EQ(t_->scores_q4 == plain->scores_q4, !avx_vnni);
+    EXPECT_EQ(t_->accumulate_q4 == plain->accumulate_q4, !avx_vnni);
   }
 #endif
+  if (GetParam() != isa::avx2) {
+    EXPECT_EQ(kernels::find_without_vnni(GetParam()), nullptr);
+  }
+}
+
+// The int8 Q4 kernels without VNNI (AVX2: vpmaddubsw, for CPUs without AVX-VNNI) sum the same
+// integers as the VNNI ones (high nibbles shifted down rather than left in place, the value codes
+// c - 8 rather than 16 (c - 8)), so scores and value sums are the same bit for bit: on fresh random
+// groups, every token count and range, ragged head_dims.
+TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
+  KVCACHE_SEED_TRACE();
+  const kernels::table* plain = kernels::find_without_vnni(GetParam());
+  if (plain == nullptr) GTEST_SKIP() << "this ISA has no int8 Q4 kernels without VNNI";
+  if (plain == t_) GTEST_SKIP() << "this CPU lacks AVX-VNNI: its AVX2 table is the one without VNNI";
+  for (std::uint32_t hd : {1u, 4u, 31u, 32u, 33u, 64u, 100u, 128u, 256u, 300u})
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u})
+      for (std::uint32_t tokens : {1u, 3u, 8u, 16u, 17u, 31u, 32u}) {
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
+        const std::vector<half> rows = make_rows(rng_, 32, hd, hd);
+        group_buf kb = key_buf(hd), vb = value_buf(hd);
+        ref_->quantize_keys(rows.data(), hd, tokens, hd, kb.data());
+        ref_->quantize_values(rows.data(), hd, 32, hd, vb.data());
+        std::vector<float> q(nq * hd);
+        for (float& x : q) x = normal();
+        const std::size_t os = 33;
+        std::vector<float> a(nq * os, -1.0f), b = a;
+        t_->scores_q4(q.data(), nq, kb.data(), tokens, hd, a.data(), os, {});
+        plain->scores_q4(q.data(), nq, kb.data(), tokens, hd, b.data(), os, {});
+        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "scores differ";
+        const std::uint32_t first = tokens == 32 ? 0 : static_cast<std::uint32_t>(rng_() % (33 - tokens));
+        std::vector<float> p(nq * tokens);
+        for (float& x : p) x = std::abs(normal());
+        std::vector<float> acc(nq * hd);
+        for (float& x : acc) x = normal();
+        std::vector<float> acc2 = acc;
+        t_->accumulate_q4(p.data(), tokens, nq, vb.data(), first, tokens, hd, acc.data(), {});
+        plain->accumulate_q4(p.data(), tokens, nq, vb.data(), first, tokens, hd, acc2.data(), {});
+        ASSERT_EQ(0, std::memcmp(acc.data(), acc2.data(), acc.size() * sizeof(float))) << "value sums differ, first=" << first;
+      }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(isa::scalar, isa::avx2, isa::avx512, isa::neon),

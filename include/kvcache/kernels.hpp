@@ -22,8 +22,9 @@ enum class q4_arith : std::uint8_t {
   /// rounding error's share common to the group's tokens (8 scale sum_d e_d) added back: at most
   /// max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code c_d (plus float
   /// rounding). That is well below the Q4 keys' own error (see kernels_avx512vnni.cpp).
-  /// AVX-512 with VNNI and VBMI, and AVX2 with AVX-VNNI (head_dim up to 16384; float beyond).
-  /// Values (AVX-512 with VNNI and VBMI, every head_dim): per group, query and block column g,
+  /// AVX-512 with VNNI and VBMI, and every AVX2 CPU (vpdpbusd with AVX-VNNI, vpmaddubsw without;
+  /// the same results), head_dim up to 16384 (float beyond).
+  /// Values (the same CPUs, every head_dim): per group, query and block column g,
   /// the weights w_t = p_t * scale_t of the tokens summed are rounded to u8 on a grid of
   /// step = max_t p_t * max_t scale_t / 255 (both maxima over those tokens) and multiply the
   /// centred codes c - 8: at most step / 2 * |c_t - 8| of error per token and channel. The
@@ -133,5 +134,11 @@ struct table {
 /// The table of ISA i with the given Q4 arithmetic, or nullptr where this build or CPU lacks the
 /// pair (for tests and benchmarks that compare the two).
 [[nodiscard]] const table* find(isa i, q4_arith a) noexcept;
+
+/// The table of ISA i whose int8 Q4 kernels use no VNNI instruction, or nullptr where there is
+/// none. AVX2: vpmaddubsw, which every AVX2 CPU has; find(isa::avx2) is this table on CPUs
+/// without AVX-VNNI, and its AVX-VNNI kernels give the same results bit for bit. For tests and
+/// benchmarks.
+[[nodiscard]] const table* find_without_vnni(isa i) noexcept;
 
 }  // namespace kvcache::kernels

@@ -1,0 +1,382 @@
+// The int8 Q4 kernels on 256-bit vectors (AVX2): key scores and value sums in integer arithmetic,
+// shared by kernels_avx2vnni.cpp (vpdpbusd, AVX-VNNI) and kernels_avx2int8.cpp (vpmaddubsw, every
+// AVX2 CPU). Included inside each file's anonymous namespace (see kernels_internal.hpp) after it
+// defines
+//   void dot4(__m256i& part, __m256i u, __m256i s): adds to the partial sums `part` the four
+//     products of the unsigned bytes of u with the signed bytes of s in each dword;
+//   __m256i widen(__m256i part): the partial sums as one int32 per dword;
+//   constexpr unsigned dot_run: how many dot4 calls a partial sum takes before it is widened;
+//   constexpr bool codes_times_16: whether the operands may be as large as the VNNI kernels make
+//     them (high nibbles left in place, key codes up to 240; value codes 16 (c - 8)).
+// VNNI's partial sums are int32 already (vpdpbusd). vpmaddubsw sums pairs of products in int16
+// with saturation, so without VNNI the key codes enter as 0..15 and the value codes as c - 8:
+// a pair is at most 2 * 15 * 127 = 3810 for keys and 2 * 255 * 8 = 4080 for values, so eight
+// calls' pairs add up in int16 (at most 32640) before vpmaddwd widens them (one shift more per
+// high nibble, and one widening per eight quads). The integer sums are the same, and so are the
+// results, bit for bit (tests/test_kernels.cpp checks it).
+//
+// The arithmetic is that of kernels_avx512vnni.cpp: the folded query q_d * scale_d is one int8
+// value per channel on a grid of max|q s| / 127 per query, the rounding error's share common to
+// all tokens added back, the codes (0..15) the unsigned operand. Values: per query and block
+// column, the weights p_t * scale_t of the tokens summed are u8 on a grid of
+// step = max_t p_t * max_t scale_t / 255 and multiply the centred codes c - 8; sum_t p_t (m_t + 8 s_t)
+// is added in float.
+//
+// A key channel quad of the group (format.hpp) is one 64-byte row, two vectors here: dword j of the
+// first holds the four channels' codes of tokens j (low nibbles) and 16 + j (high nibbles), of the
+// second tokens 8 + j and 24 + j; masking (or shifting) the nibbles gives the four 8-token vectors
+// the dot products take as they are. A value token quad of a block column is one 64-byte row too:
+// dword j of the first vector holds channel j (low nibbles) and 16 + j (high) of the quad's four
+// tokens, of the second channels 8 + j and 24 + j; against the four tokens' u8 weights broadcast as
+// a dword. With 16 registers the queries take their turns over the codes two at a time.
+
+#include "avx2_horizontal.inl"
+#include "q4_int8.inl"
+
+// Lane masks for maskload/maskstore: tail_mask + 8 - n selects the first n of 8 lanes.
+alignas(32) constexpr std::int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline __m256i mask(unsigned n) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail_mask + 8 - n)); }
+
+// Y[0..4) (int32, |Y| <= 127, 32 lanes) written as 32 int8.
+inline void pack32(const __m256i* y, std::int8_t* dst) {
+  // The packs work within 128-bit lanes: dword order 0 4 1 5 2 6 3 7 restores the lanes' order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(
+                          _mm256_packs_epi16(_mm256_packs_epi32(y[0], y[1]), _mm256_packs_epi32(y[2], y[3])), order));
+}
+
+// w[0..4) (int32, 0..255, 32 lanes) written as 32 u8.
+inline void pack32u(const __m256i* w, std::uint8_t* dst) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
+                     _mm256_permutevar8x32_epi32(
+                         _mm256_packus_epi16(_mm256_packus_epi32(w[0], w[1]), _mm256_packus_epi32(w[2], w[3])), order));
+}
+
+inline __m256 load_n(const float* p, unsigned n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : n == 0 ? _mm256_setzero_ps() : _mm256_maskload_ps(p, mask(n));
+}
+
+// The n (<= 8) halves from p as floats. Past n, up to the next even count, a half of the group's
+// padding channels (0) may be read; nothing further.
+inline __m256 halves(const std::uint8_t* p, unsigned n) {
+  const __m128i h = n >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                           : _mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                                _mm256_castsi256_si128(mask((n + 1) / 2)));
+  return _mm256_cvtph_ps(h);
+}
+
+inline __m256i dword_of(const void* p) {
+  std::int32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return _mm256_set1_epi32(x);
+}
+
+// ---- keys -------------------------------------------------------------------------------------
+
+// acc[i][r] (tokens 8 r .. 8 r + 7; r >= 2 with codes_times_16: codes times 16) += the dot
+// products of P (1, 2) queries' int8 values y[i] with the codes of `quads` channel quads from
+// `codes`.
+template <unsigned P>
+__attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, unsigned quads, const std::int8_t (*y)[key_chunk],
+                                                     __m256i (*acc)[4], line_prefetch& pf) {
+  line_prefetch f = pf;  // in registers
+  const __m256i nib_lo = _mm256_set1_epi8(0x0F), nib_hi = _mm256_set1_epi8(static_cast<char>(0xF0));
+  __m256i h[P][4];
+  for (unsigned j = 0; j < quads; ++j) {
+    if (j % dot_run == 0) {
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < P; ++i)
+#pragma GCC unroll 4
+        for (unsigned r = 0; r < 4; ++r) h[i][r] = _mm256_setzero_si256();
+    }
+    f.rows(1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32));
+    __m256i c[4];
+    c[0] = _mm256_and_si256(x0, nib_lo);
+    c[1] = _mm256_and_si256(x1, nib_lo);
+    if constexpr (codes_times_16) {
+      c[2] = _mm256_and_si256(x0, nib_hi);
+      c[3] = _mm256_and_si256(x1, nib_hi);
+    } else {
+      c[2] = _mm256_and_si256(_mm256_srli_epi16(x0, 4), nib_lo);
+      c[3] = _mm256_and_si256(_mm256_srli_epi16(x1, 4), nib_lo);
+    }
+#pragma GCC unroll 2
+    for (unsigned i = 0; i < P; ++i) {
+      const __m256i w = dword_of(y[i] + 4 * j);
+#pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) dot4(h[i][r], c[r], w);
+    }
+    if (j % dot_run == dot_run - 1 || j + 1 == quads) {
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < P; ++i)
+#pragma GCC unroll 4
+        for (unsigned r = 0; r < 4; ++r) acc[i][r] = _mm256_add_epi32(acc[i][r], widen(h[i][r]));
+    }
+  }
+  pf = f;
+}
+
+template <unsigned NQ>
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  const std::uint8_t* ks = k + key_scales_at(hd);
+  const std::uint8_t* km = k + key_mins_at(hd);
+  // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
+  __m256 qmax[NQ], mterm[NQ];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = _mm256_setzero_ps();
+  alignas(32) float scales[cached_channels];
+  const bool cached = hd <= cached_channels;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (unsigned c = 0; c < hd; c += 8) {
+    const unsigned n = hd - c < 8 ? hd - c : 8;
+    const __m256 s = halves(ks + 2 * c, n), m = halves(km + 2 * c, n);
+    if (cached) _mm256_store_ps(scales + c, s);
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m256 qv = load_n(q + i * hd + c, n);
+      qmax[i] = _mm256_max_ps(qmax[i], _mm256_andnot_ps(sign, _mm256_mul_ps(qv, s)));
+      mterm[i] = _mm256_fmadd_ps(qv, m, mterm[i]);
+    }
+  }
+  query_split qs[NQ];
+  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(hmax8(qmax[i]), hsum8(mterm[i]));
+
+  // Pass 2, per chunk of channels: fold the queries over it to int8 (with the sums of
+  // y_d = x_d / scale and of Y_d = round(y_d)), then the integer dot products over its channel
+  // quads (four 8-token vectors a query).
+  __m256i acc[NQ][4];
+  __m256 ysum[NQ];
+  __m256i yisum[NQ];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_si256();
+    ysum[i] = _mm256_setzero_ps();
+    yisum[i] = _mm256_setzero_si256();
+  }
+  alignas(32) std::int8_t qy[NQ][key_chunk];
+  for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
+    const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
+    const unsigned quads = (nd + 3) / 4;
+    for (unsigned j = 0; j < 4 * quads; j += 32) {  // channels past nd get Y = 0
+      __m256 s[4];
+#pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) {
+        const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
+        s[r] = _mm256_setzero_ps();
+        if (n == 0) continue;
+        if (cached) s[r] = load_n(scales + c0 + at, n);
+        else s[r] = halves(ks + 2 * (c0 + at), n);
+      }
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < NQ; ++i) {
+        __m256i y[4];
+#pragma GCC unroll 4
+        for (unsigned r = 0; r < 4; ++r) {
+          const unsigned at = j + 8 * r, n = nd > at ? (nd - at < 8 ? nd - at : 8) : 0;
+          const __m256 yf = _mm256_mul_ps(_mm256_mul_ps(load_n(q + i * hd + c0 + at, n), s[r]), _mm256_set1_ps(qs[i].inv));
+          y[r] = _mm256_cvtps_epi32(yf);
+          ysum[i] = _mm256_add_ps(ysum[i], yf);
+          yisum[i] = _mm256_add_epi32(yisum[i], y[r]);
+        }
+        pack32(y, qy[i] + j);
+      }
+    }
+    // The last quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0
+    // there. The prefetch is spread over the first pass's quads.
+    const std::uint8_t* codes = k + std::size_t{16} * c0;
+    unsigned i = 0;
+    line_prefetch none;
+    for (; i + 2 <= NQ; i += 2) dot_quads<2>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+    if (i < NQ) dot_quads<1>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+  }
+
+  // Back to floats: score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d (tokens
+  // 16..31 summed with their codes times 16 where codes_times_16).
+  for (unsigned i = 0; i < NQ; ++i) {
+    alignas(32) std::int32_t yi[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(yi), yisum[i]);
+    std::int32_t ytotal = 0;
+    for (const std::int32_t x : yi) ytotal += x;
+    const float e = hsum8(ysum[i]) - static_cast<float>(ytotal);
+    const __m256 base = _mm256_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);
+    float* dst = out + i * out_stride;
+    for (unsigned r = 0; r < 4 && 8 * r < tokens; ++r) {
+      const __m256 scale = _mm256_set1_ps(r < 2 || !codes_times_16 ? qs[i].scale : qs[i].scale * 0.0625f);
+      const __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), scale, base);
+      const unsigned n = tokens - 8 * r < 8 ? tokens - 8 * r : 8;
+      if (n == 8) _mm256_storeu_ps(dst + 8 * r, o);
+      else _mm256_maskstore_ps(dst + 8 * r, mask(n), o);
+    }
+  }
+}
+
+// ---- values -----------------------------------------------------------------------------------
+
+// The weights of P (1, 2) queries over one block column: w[i] (u8, token t at byte t; 0 outside
+// the tokens summed), and the float step and base of each (acc += step * sum + base).
+template <unsigned P>
+struct column_weights {
+  alignas(32) std::uint8_t w[P][32];
+  float step[P], base[P];
+};
+
+// acc[i][0 .. n) (n <= 32 channels of one block column) += step[i] * (the integer sums of the
+// centred codes of token quads [q0, q1) of the column at `codes`, weighted by w[i]) + base[i].
+template <unsigned P>
+__attribute__((always_inline)) inline void column_sums(const std::uint8_t* codes, unsigned q0, unsigned q1,
+                                                       const column_weights<P>& cw, float* acc, std::size_t acc_stride,
+                                                       unsigned n, line_prefetch* pf) {
+  static_assert(dot_run >= 8, "a column's eight token quads are one run of partial sums");
+  const __m256i nib_lo = _mm256_set1_epi8(0x0F);
+  __m256i h[P][4];
+#pragma GCC unroll 2
+  for (unsigned i = 0; i < P; ++i)
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) h[i][r] = _mm256_setzero_si256();
+  for (unsigned j = q0; j < q1; ++j) {
+    if (pf != nullptr) pf->rows(1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j + 32));
+    // c[0]: channels 0..7, c[1]: 8..15 (low nibbles), c[2]: 16..23, c[3]: 24..31 (high nibbles).
+    __m256i c[4];
+    if constexpr (codes_times_16) {  // 16 (c - 8) = (16 c) ^ 0x80 as a signed byte
+      const __m256i nib_hi = _mm256_set1_epi8(static_cast<char>(0xF0)), sign = _mm256_set1_epi8(static_cast<char>(0x80));
+      c[0] = _mm256_xor_si256(_mm256_and_si256(_mm256_slli_epi16(x0, 4), nib_hi), sign);
+      c[1] = _mm256_xor_si256(_mm256_and_si256(_mm256_slli_epi16(x1, 4), nib_hi), sign);
+      c[2] = _mm256_xor_si256(_mm256_and_si256(x0, nib_hi), sign);
+      c[3] = _mm256_xor_si256(_mm256_and_si256(x1, nib_hi), sign);
+    } else {  // c - 8
+      const __m256i eight = _mm256_set1_epi8(8);
+      c[0] = _mm256_sub_epi8(_mm256_and_si256(x0, nib_lo), eight);
+      c[1] = _mm256_sub_epi8(_mm256_and_si256(x1, nib_lo), eight);
+      c[2] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x0, 4), nib_lo), eight);
+      c[3] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x1, 4), nib_lo), eight);
+    }
+#pragma GCC unroll 2
+    for (unsigned i = 0; i < P; ++i) {
+      const __m256i w = dword_of(cw.w[i] + 4 * j);
+#pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) dot4(h[i][r], w, c[r]);
+    }
+  }
+  constexpr unsigned at[4] = {0, 8, 16, 24};  // the first channel of h[i][r]
+#pragma GCC unroll 2
+  for (unsigned i = 0; i < P; ++i) {
+    const __m256 st = _mm256_set1_ps(cw.step[i]), bs = _mm256_set1_ps(cw.base[i]);
+    float* o = acc + i * acc_stride;
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) {
+      if (at[r] >= n) continue;
+      const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(h[i][r])), st, bs);
+      if (n - at[r] >= 8) _mm256_storeu_ps(o + at[r], _mm256_add_ps(_mm256_loadu_ps(o + at[r]), x));
+      else {
+        const __m256i m = mask(n - at[r]);
+        _mm256_maskstore_ps(o + at[r], m, _mm256_add_ps(_mm256_maskload_ps(o + at[r], m), x));
+      }
+    }
+  }
+}
+
+// Tokens [first, end) of the value group v for P (1, 2) queries whose weights by token are u[i]
+// (p_t / max_t p_t, 0 outside the range) and max_t p_t pmax[i] (> 0), block column by block column.
+template <unsigned P>
+void values_nq(const float (*u)[32], const float* pmax, const std::uint8_t* v, unsigned first, unsigned end, unsigned hd,
+               float* acc, line_prefetch* pf) {
+  const unsigned nb = value_blocks(hd), q0 = first / 4, q1 = (end + 3) / 4;
+  const unsigned v0 = first / 8, v1 = (end + 7) / 8;  // the 8-token vectors holding the range
+  __m256 range[4];
+#pragma GCC unroll 4
+  for (unsigned r = 0; r < 4; ++r) {
+    const unsigned t = 8 * r;
+    const unsigned lo = first > t ? (first - t < 8 ? first - t : 8) : 0, hi = end > t ? (end - t < 8 ? end - t : 8) : 0;
+    range[r] = _mm256_castsi256_ps(_mm256_andnot_si256(mask(lo), mask(hi)));
+  }
+  const std::uint8_t* scales = v + value_scales_at(hd);
+  const std::uint8_t* mins = v + value_mins_at(hd);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (unsigned g = 0; g < nb; ++g) {
+    // The column's scales and m + 8 s of the tokens in range (0 elsewhere, whatever is stored).
+    __m256 s[4], m8[4], smax = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) {
+      s[r] = m8[r] = _mm256_setzero_ps();
+      if (r < v0 || r >= v1) continue;
+      const __m128i* sp = reinterpret_cast<const __m128i*>(scales + 64 * g + 16 * r);
+      const __m128i* mp = reinterpret_cast<const __m128i*>(mins + 64 * g + 16 * r);
+      s[r] = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp)), range[r]);
+      m8[r] = _mm256_and_ps(_mm256_fmadd_ps(s[r], eight, _mm256_cvtph_ps(_mm_loadu_si128(mp))), range[r]);
+      smax = _mm256_max_ps(smax, s[r]);
+    }
+    const float sm = hmax8(smax);
+    const __m256 sinv = _mm256_set1_ps(sm > 0.0f ? 255.0f / sm : 0.0f);
+    column_weights<P> cw;
+#pragma GCC unroll 2
+    for (unsigned i = 0; i < P; ++i) {
+      __m256i w[4];
+      __m256 b = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) {
+        const __m256 ur = _mm256_load_ps(u[i] + 8 * r);
+        w[r] = _mm256_cvtps_epi32(_mm256_mul_ps(ur, _mm256_mul_ps(s[r], sinv)));  // <= 255: u <= 1
+        b = _mm256_fmadd_ps(ur, m8[r], b);
+      }
+      pack32u(w, cw.w[i]);
+      cw.step[i] = pmax[i] * sm / (codes_times_16 ? 255.0f * 16.0f : 255.0f);
+      cw.base[i] = pmax[i] * hsum8(b);
+    }
+    column_sums<P>(v + std::size_t{512} * g, q0, q1, cw, acc + 32 * g, hd, hd - 32 * g < 32 ? hd - 32 * g : 32, pf);
+  }
+}
+
+// The table entry (kernels::table::accumulate_q4): the queries two at a time.
+void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
+                     std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
+                     prefetch_region region) {
+  if (tokens == 0) return;
+  const unsigned end = first + tokens;
+  // One row per token quad of a column, in the first queries' pass.
+  line_prefetch rp(region, value_blocks(head_dim) * ((end + 3) / 4 - first / 4));
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 2) {
+    const unsigned n = nq - i0 < 2 ? nq - i0 : 2;
+    // u = p / max_t p by token (0 outside [first, end)); p below 2^-100 is scaled by 2^100 first
+    // (exact), since 1 / max p overflows below ~2^-126. Queries whose weights are all 0 add nothing.
+    alignas(32) float u[2][32];
+    float pmax[2];
+    unsigned live = 0, which[2] = {0, 0};
+    for (unsigned i = 0; i < n; ++i) {
+      const float* pi = p + (i0 + i) * p_stride;
+      float* ui = u[live];
+      for (unsigned r = 0; r < 4; ++r) _mm256_store_ps(ui + 8 * r, _mm256_setzero_ps());
+      __m256 mx = _mm256_setzero_ps();
+      if (first == 0) {
+        for (unsigned r = 0; 8 * r < end; ++r) {
+          const __m256 x = load_n(pi + 8 * r, end - 8 * r);
+          _mm256_store_ps(ui + 8 * r, x);
+          mx = _mm256_max_ps(mx, x);
+        }
+      } else {
+        for (unsigned t = first; t < end; ++t) ui[t] = pi[t - first];
+        for (unsigned r = 0; r < 4; ++r) mx = _mm256_max_ps(mx, _mm256_load_ps(ui + 8 * r));
+      }
+      const float pm = hmax8(mx);
+      if (!(pm > 0.0f)) continue;
+      const float big = pm < 0x1p-100f ? 0x1p100f : 1.0f;
+      const __m256 b = _mm256_set1_ps(big), k = _mm256_set1_ps(1.0f / (pm * big));
+      for (unsigned r = 0; r < 4; ++r)
+        _mm256_store_ps(ui + 8 * r, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(ui + 8 * r), b), k));
+      pmax[live] = pm;
+      which[live++] = i0 + i;
+    }
+    line_prefetch* pf = i0 == 0 ? &rp : nullptr;
+    if (live == 2)
+      values_nq<2>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+    else if (live == 1)
+      values_nq<1>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+  }
+}
