@@ -340,13 +340,17 @@ void add(const std::string& name, F f) {
         }
       }
     }
-    // Where the fastest table is int8 for Q4 (VNNI), the float Q4 kernels too, to compare.
+    // Where the fastest table is int8 for Q4, the float Q4 kernels too, and the int8 ones without
+    // VNNI (AVX2: vpmaddubsw) where the CPU has VNNI, to compare.
     const kernels::table* tf = kernels::find(i, kernels::q4_arith::float32);
-    if (tf == nullptr || tf == t) continue;
-    for (std::uint32_t nq : {1u, 4u, 8u}) {
-      const std::string suffix = is + "_float32/nq:" + std::to_string(nq);
-      add("BM_scores/q4/" + suffix, [tf, nq](benchmark::State& s) { scores_q4(s, tf, nq); });
-      add("BM_accumulate/q4/" + suffix, [tf, nq](benchmark::State& s) { accumulate_q4(s, tf, nq); });
+    const kernels::table* tp = kernels::find_without_vnni(i);
+    for (const auto& [other, name] : {std::pair{tf, "_float32"}, std::pair{tp, "_int8_novnni"}}) {
+      if (other == nullptr || other == t) continue;
+      for (std::uint32_t nq : {1u, 4u, 8u}) {
+        const std::string suffix = is + name + "/nq:" + std::to_string(nq);
+        add("BM_scores/q4/" + suffix, [other, nq](benchmark::State& s) { scores_q4(s, other, nq); });
+        add("BM_accumulate/q4/" + suffix, [other, nq](benchmark::State& s) { accumulate_q4(s, other, nq); });
+      }
     }
   }
   return true;
