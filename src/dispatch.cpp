@@ -46,6 +46,20 @@ bool cpu_has(isa i) noexcept {
   }
 }
 
+// AMD Zen 5 or later: vendor AuthenticAMD, CPUID family (base 0xF plus extended) 0x1A or more.
+bool zen5_or_later() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
+  if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  const unsigned base = (a >> 8) & 0xFu, ext = (a >> 20) & 0xFFu;
+  return base == 0xFu && base + ext >= 0x1Au;
+#else
+  return false;
+#endif
+}
+
 const kernels::table* table_of(isa i) noexcept {
   if (!cpu_has(i)) return nullptr;
   switch (i) {
@@ -145,6 +159,8 @@ result<void> force_isa(isa i) {
 }
 
 namespace kernels {
+const bool q4_prefetch_to_l1 = zen5_or_later();
+
 const table& active() noexcept { return *current().load(std::memory_order_acquire); }
 const table* find(isa i) noexcept { return table_of(i); }
 

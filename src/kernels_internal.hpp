@@ -23,6 +23,15 @@ namespace kvcache::kernels {
 
 namespace scalar { const table& get() noexcept; }
 
+// Whether the prefetch stream of the int8 Q4 kernels (q4_int8.inl: the chunks attend reads next)
+// is requested into L1 rather than L2: true on AMD Zen 5 and later (CPUID family 0x1A and up),
+// false elsewhere; set once at start-up (dispatch.cpp; false until then). Measured at 32k tokens
+// (decode attention over a two-tier cache, AVX-512, in-process alternation of the two, medians
+// of 40 rounds): on Zen 5, L1 1.09x with 1 thread and 1.15x with 2 (the AVX2 int8 kernels, which
+// are compute-bound there, the same either way); on Zen 4 an earlier session measured L1 1.5x
+// slower on a day of high memory latency and the same on others (row_prefetch.inl), so it keeps L2.
+extern const bool q4_prefetch_to_l1;
+
 // The x86 tables: get() has the int8 Q4 kernels where the CPU has them (AVX2: always, on
 // vpdpbusd in kernels_avx2vnni.cpp with AVX-VNNI, on vpmaddubsw in kernels_avx2int8.cpp
 // without; AVX-512: kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI), float_q4()
