@@ -28,22 +28,8 @@ inline __m256i widen(__m256i part) { return _mm256_madd_epi16(part, _mm256_set1_
 constexpr unsigned dot_run = 8;
 constexpr bool codes_times_16 = false;
 
-#include "q4_int8_avx2.inl"
-
 }  // namespace
 
-void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
-               float* out, std::size_t out_stride, prefetch_region pf) {
-  if (head_dim > int8_key_channels) {  // see int8_key_channels
-    avx2::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
-    return;
-  }
-  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
-}
-
-void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
-                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
-  accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
-}
+#include "q4_int8_avx2.inl"
 
 }  // namespace kvcache::kernels::avx2int8

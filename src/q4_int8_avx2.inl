@@ -1,7 +1,8 @@
 // The int8 Q4 kernels on 256-bit vectors (AVX2): key scores and value sums in integer arithmetic,
 // shared by kernels_avx2vnni.cpp (vpdpbusd, AVX-VNNI) and kernels_avx2int8.cpp (vpmaddubsw, every
-// AVX2 CPU). Included inside each file's anonymous namespace (see kernels_internal.hpp) after it
-// defines
+// AVX2 CPU). Included inside each file's ISA namespace, where it defines the entry points
+// scores_q4 and accumulate_q4 and keeps the rest in the anonymous namespace (see
+// kernels_internal.hpp), after the file defines there
 //   void dot4(__m256i& part, __m256i u, __m256i s): adds to the partial sums `part` the four
 //     products of the unsigned bytes of u with the signed bytes of s in each dword;
 //   __m256i widen(__m256i part): the partial sums as one int32 per dword;
@@ -29,6 +30,8 @@
 // dword j of the first vector holds channel j (low nibbles) and 16 + j (high) of the quad's four
 // tokens, of the second channels 8 + j and 24 + j; against the four tokens' u8 weights broadcast as
 // a dword. With 16 registers the queries take their turns over the codes two at a time.
+
+namespace {
 
 #include "avx2_horizontal.inl"
 #include "q4_int8.inl"
@@ -379,4 +382,20 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
     else if (live == 1)
       values_nq<1>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
   }
+}
+
+}  // namespace
+
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
+               float* out, std::size_t out_stride, prefetch_region pf) {
+  if (head_dim > int8_key_channels) {  // see int8_key_channels
+    avx2::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
+    return;
+  }
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
+}
+
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
+                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
+  accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
 }
