@@ -173,6 +173,9 @@ const table* find(isa i, q4_arith a) noexcept {
 #if defined(KVCACHE_HAVE_AVX512)
   if (i == isa::avx512 && a == q4_arith::float32) return &avx512::float_q4();
 #endif
+#if defined(KVCACHE_HAVE_NEON)
+  if (i == isa::neon && a == q4_arith::float32) return &neon::float_q4();
+#endif
   return nullptr;
 }
 

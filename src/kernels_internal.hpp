@@ -61,7 +61,13 @@ attend_q4_fn attend_q4;
 }
 #endif
 #if defined(KVCACHE_HAVE_NEON)
-namespace neon { const table& get() noexcept; }
+// get(): the int8 Q4 kernels of kernels_neondot.cpp where the CPU has FEAT_DotProd; float_q4():
+// always the float ones.
+namespace neon {
+const table& get() noexcept;
+const table& float_q4() noexcept;
+}  // namespace neon
+namespace neondot { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
 #endif
 
 }  // namespace kvcache::kernels

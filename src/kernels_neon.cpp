@@ -4,6 +4,7 @@
 #include "kernels_internal.hpp"
 
 #include <arm_neon.h>
+#include <sys/auxv.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -145,6 +146,22 @@ struct V {
 
 }  // namespace
 
-const table& get() noexcept { return simd_table; }
+const table& float_q4() noexcept { return simd_table; }
+
+// FEAT_DotProd (sdot, udot), as the kernel reports it: HWCAP_ASIMDDP, bit 20 of AT_HWCAP.
+bool has_dotprod() noexcept { return (getauxval(AT_HWCAP) & (1ul << 20)) != 0; }
+
+const table& get() noexcept {
+  static const table t = [] {
+    table x = simd_table;
+    if (has_dotprod()) {
+      x.scores_q4 = neondot::scores_q4;
+      x.accumulate_q4 = neondot::accumulate_q4;
+      x.q4 = x.q4_values = q4_arith::int8;
+    }
+    return x;
+  }();
+  return t;
+}
 
 }  // namespace kvcache::kernels::neon

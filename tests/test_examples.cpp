@@ -237,8 +237,8 @@ TEST(decode_loop_model, two_tier_attention_matches_recomputation_over_q4_groups)
   auto cache = kvcache::two_tier_cache<>::create(tc).value();
   check_totals t;
   (void)run_model(cache, format::f16, holding::two_tier, steps, t);
-  // The int8 Q4 key scores (AVX-512 VNNI, AVX2) carry the folded query in one int8 value per
-  // channel, and the int8 value sums (AVX-512 VNNI and VBMI, AVX2; at this head_dim, 64) round the
+  // The int8 Q4 key scores (AVX-512 VNNI, AVX2, NEON dotprod) carry the folded query in one int8 value per
+  // channel, and the int8 value sums (the same CPUs; at this head_dim, 64) round the
   // weights to u8 per 32-token tile: worst seen 9.8e-3 of max|V|. See test_attend's int8_keys_tol
   // and int8_values_tol.
   const kvcache::kernels::table& kt = kvcache::kernels::active();

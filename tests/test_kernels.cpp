@@ -11,6 +11,9 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #endif
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -763,9 +766,18 @@ TEST_P(Kernels, Q4ArithmeticVariants) {
   ASSERT_FALSE(ts.empty());
   EXPECT_EQ(ts.back(), t_) << "find(isa) is not the fastest Q4 arithmetic";
   for (const kernels::table* t : ts) EXPECT_EQ(t->which, GetParam());
-  if (GetParam() != isa::avx512 && GetParam() != isa::avx2) {
-    EXPECT_EQ(ts.size(), 1u) << "only AVX-512 and AVX2 have an int8 Q4 path";
+  if (GetParam() == isa::scalar) {
+    EXPECT_EQ(ts.size(), 1u) << "the scalar table has only the float Q4 path";
   }
+#if defined(__aarch64__)
+  if (GetParam() == isa::neon) {
+    // int8 (sdot, udot) where the CPU has FEAT_DotProd: HWCAP_ASIMDDP, bit 20 of AT_HWCAP.
+    const bool dotprod = (getauxval(AT_HWCAP) & (1ul << 20)) != 0;
+    EXPECT_EQ(t_->q4 == kernels::q4_arith::int8, dotprod);
+    EXPECT_EQ(t_->q4_values == kernels::q4_arith::int8, dotprod);
+    EXPECT_EQ(ts.size(), dotprod ? 2u : 1u);
+  }
+#endif
 #if defined(__x86_64__)
   if (GetParam() == isa::avx512) {
     __builtin_cpu_init();

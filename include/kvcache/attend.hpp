@@ -44,7 +44,8 @@ struct attention_params {
   unsigned threads = 1;        ///< threads of attend's own pool (the caller included); ignored when pool.run is set
   parallel_for pool{};         ///< the engine's thread pool, if any
   /// Arithmetic over Q4 chunks. int8: the fastest the CPU has (integer key scores and value sums
-  /// on x86 with AVX2 or AVX-512 VNNI, see kernels::q4_arith; float elsewhere). float32: float on every CPU,
+  /// on x86 with AVX2 or AVX-512 VNNI and on aarch64 with the dot product extension, see
+  /// kernels::q4_arith; float elsewhere). float32: float on every CPU,
   /// within float rounding of attention over the dequantized values, at about 1.3x the Q4 cost.
   kernels::q4_arith q4 = kernels::q4_arith::int8;
 };

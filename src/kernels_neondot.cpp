@@ -1,0 +1,316 @@
+// Q4 key scores and value sums of decode attention in integer arithmetic for aarch64 CPUs with the
+// dot product instructions (FEAT_DotProd, Armv8.2 and later: Neoverse N1 and later, Graviton 2 and
+// later, Apple M1 and later): sdot for the keys (codes 0..15 and the int8 query, both signed bytes),
+// udot for the values (u8 weights and the codes 0..15; the centring -8 sum_t w_t is one integer per
+// query and column, subtracted before the float epilogue, so the sums are those of the x86 int8
+// kernels with centred codes). Compiled with -march=armv8.2-a+dotprod: everything stays in this
+// file's anonymous namespace (see kernels_internal.hpp) except the entry points, which neon::get()
+// installs only where the CPU reports the extension (HWCAP_ASIMDDP).
+//
+// The arithmetic is that of q4_int8_avx2.inl (see there and kernels_avx512vnni.cpp): the folded
+// query as one int8 value per channel on a grid of max|q s| / 127 with the rounding error's share
+// common to all tokens added back; per value column the weights p_t s_t as u8 on a grid of
+// max_t p_t * max_t s_t / 255. A key channel quad (64 bytes) is four vectors here: dword j of
+// vector r holds the four channels' codes of tokens 4 r + j (low nibbles) and 16 + 4 r + j (high);
+// a value token quad of a column likewise holds channels 4 r + j and 16 + 4 r + j of the quad's
+// four tokens. Two queries at a time take the codes: 16 accumulators of 32.
+#include "kernels_internal.hpp"
+
+#include <arm_neon.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::kernels::neondot {
+namespace {
+
+#include "q4_int8.inl"
+
+inline float32x4_t h2f(uint16x4_t h) { return vcvt_f32_f16(vreinterpret_f16_u16(h)); }
+
+// The n (<= 4) halves from p as floats, 0 past n (nothing read there).
+inline float32x4_t halves(const std::uint8_t* p, unsigned n) {
+  if (n >= 4) return h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(p)));
+  std::uint16_t buf[4] = {0, 0, 0, 0};
+  __builtin_memcpy(buf, p, 2 * n);
+  return h2f(vld1_u16(buf));
+}
+
+inline float32x4_t load_n(const float* p, unsigned n) {
+  if (n >= 4) return vld1q_f32(p);
+  float buf[4] = {0, 0, 0, 0};
+  for (unsigned i = 0; i < n; ++i) buf[i] = p[i];
+  return vld1q_f32(buf);
+}
+
+inline void store_n(float* p, float32x4_t x, unsigned n) {
+  if (n >= 4) {
+    vst1q_f32(p, x);
+    return;
+  }
+  float buf[4];
+  vst1q_f32(buf, x);
+  for (unsigned i = 0; i < n; ++i) p[i] = buf[i];
+}
+
+inline int8x16_t dword_s8(const void* p) {
+  std::int32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return vreinterpretq_s8_s32(vdupq_n_s32(x));
+}
+inline uint8x16_t dword_u8(const void* p) {
+  std::uint32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return vreinterpretq_u8_u32(vdupq_n_u32(x));
+}
+
+// ---- keys -------------------------------------------------------------------------------------
+
+// acc[i][r] (tokens 4 r .. 4 r + 3 for r < 4, 16 + 4 (r - 4) .. for r >= 4) += the dot products
+// of P (1, 2) queries' int8 values y[i] with the codes of `quads` channel quads from `codes`.
+template <unsigned P>
+__attribute__((always_inline)) inline void dot_quads(const std::uint8_t* codes, unsigned quads, const std::int8_t (*y)[key_chunk],
+                                                     int32x4_t (*acc)[8], line_prefetch& pf) {
+  line_prefetch f = pf;
+  const uint8x16_t nib = vdupq_n_u8(0x0F);
+  int32x4_t h[P][8];
+  for (unsigned i = 0; i < P; ++i)
+    for (unsigned r = 0; r < 8; ++r) h[i][r] = acc[i][r];
+  for (unsigned j = 0; j < quads; ++j) {
+    f.rows(1);
+    int8x16_t c[8];
+    for (unsigned r = 0; r < 4; ++r) {
+      const uint8x16_t x = vld1q_u8(codes + 64 * j + 16 * r);
+      c[r] = vreinterpretq_s8_u8(vandq_u8(x, nib));
+      c[r + 4] = vreinterpretq_s8_u8(vshrq_n_u8(x, 4));
+    }
+    for (unsigned i = 0; i < P; ++i) {
+      const int8x16_t w = dword_s8(y[i] + 4 * j);
+      for (unsigned r = 0; r < 8; ++r) h[i][r] = vdotq_s32(h[i][r], c[r], w);
+    }
+  }
+  for (unsigned i = 0; i < P; ++i)
+    for (unsigned r = 0; r < 8; ++r) acc[i][r] = h[i][r];
+  pf = f;
+}
+
+template <unsigned NQ>
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  const std::uint8_t* ks = k + key_scales_at(hd);
+  const std::uint8_t* km = k + key_mins_at(hd);
+  // Pass 1: the largest |q_d s_d| of each query, and sum_d q_d m_d.
+  float32x4_t qmax[NQ], mterm[NQ];
+  for (unsigned i = 0; i < NQ; ++i) qmax[i] = mterm[i] = vdupq_n_f32(0.0f);
+  alignas(16) float scales[cached_channels];
+  const bool cached = hd <= cached_channels;
+  for (unsigned c = 0; c < hd; c += 4) {
+    const unsigned n = hd - c < 4 ? hd - c : 4;
+    const float32x4_t s = halves(ks + 2 * c, n), m = halves(km + 2 * c, n);
+    if (cached) vst1q_f32(scales + c, s);
+    for (unsigned i = 0; i < NQ; ++i) {
+      const float32x4_t qv = load_n(q + i * hd + c, n);
+      qmax[i] = vmaxq_f32(qmax[i], vabsq_f32(vmulq_f32(qv, s)));
+      mterm[i] = vfmaq_f32(mterm[i], qv, m);
+    }
+  }
+  query_split qs[NQ];
+  for (unsigned i = 0; i < NQ; ++i) qs[i] = split_of(vmaxvq_f32(qmax[i]), vaddvq_f32(mterm[i]));
+
+  // Pass 2, per chunk of channels: the queries over it as int8 (with the sums of y_d = x_d / scale
+  // and of Y_d = round(y_d)), then the integer dot products over its channel quads.
+  int32x4_t acc[NQ][8], yisum[NQ];
+  float32x4_t ysum[NQ];
+  for (unsigned i = 0; i < NQ; ++i) {
+    for (unsigned r = 0; r < 8; ++r) acc[i][r] = vdupq_n_s32(0);
+    ysum[i] = vdupq_n_f32(0.0f);
+    yisum[i] = vdupq_n_s32(0);
+  }
+  alignas(16) std::int8_t qy[NQ][key_chunk];
+  for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
+    const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
+    const unsigned quads = (nd + 3) / 4;
+    for (unsigned j = 0; j < 4 * quads; j += 4) {  // channels past nd get Y = 0
+      const unsigned n = nd - j < 4 ? nd - j : 4;
+      const float32x4_t s = cached ? load_n(scales + c0 + j, n) : halves(ks + 2 * (c0 + j), n);
+      for (unsigned i = 0; i < NQ; ++i) {
+        const float32x4_t yf = vmulq_f32(vmulq_f32(load_n(q + i * hd + c0 + j, n), s), vdupq_n_f32(qs[i].inv));
+        const int32x4_t y = vcvtnq_s32_f32(yf);  // to nearest, ties to even
+        ysum[i] = vaddq_f32(ysum[i], yf);
+        yisum[i] = vaddq_s32(yisum[i], y);
+        const int8x8_t b = vmovn_s16(vcombine_s16(vmovn_s32(y), vdup_n_s16(0)));
+        vst1_lane_s32(reinterpret_cast<std::int32_t*>(qy[i] + j), vreinterpret_s32_s8(b), 0);
+      }
+    }
+    const std::uint8_t* codes = k + std::size_t{16} * c0;
+    unsigned i = 0;
+    line_prefetch none;
+    for (; i + 2 <= NQ; i += 2) dot_quads<2>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+    if (i < NQ) dot_quads<1>(codes, quads, qy + i, acc + i, i == 0 ? pf : none);
+  }
+
+  // score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d.
+  for (unsigned i = 0; i < NQ; ++i) {
+    const float e = vaddvq_f32(ysum[i]) - static_cast<float>(vaddvq_s32(yisum[i]));
+    const float32x4_t base = vdupq_n_f32(qs[i].scale * 8.0f * e + qs[i].mc), scale = vdupq_n_f32(qs[i].scale);
+    float* dst = out + i * out_stride;
+    for (unsigned r = 0; r < 8; ++r) {
+      const unsigned t = r < 4 ? 4 * r : 16 + 4 * (r - 4);
+      if (t >= tokens) continue;
+      store_n(dst + t, vfmaq_f32(base, vcvtq_f32_s32(acc[i][r]), scale), tokens - t);
+    }
+  }
+}
+
+// ---- values -----------------------------------------------------------------------------------
+
+// The weights of P (1, 2) queries over one block column: w[i] (u8, token t at byte t; 0 outside
+// the tokens summed), their integer sum, and the float step and base (acc += step * sum + base).
+template <unsigned P>
+struct column_weights {
+  alignas(16) std::uint8_t w[P][32];
+  std::int32_t wsum[P];
+  float step[P], base[P];
+};
+
+// acc[i][0 .. n) (n <= 32 channels of one block column) += step[i] * (the integer sums of the
+// codes minus 8 of token quads [q0, q1) of the column at `codes`, weighted by w[i]) + base[i].
+template <unsigned P>
+__attribute__((always_inline)) inline void column_sums(const std::uint8_t* codes, unsigned q0, unsigned q1,
+                                                       const column_weights<P>& cw, float* acc, std::size_t acc_stride,
+                                                       unsigned n, line_prefetch* pf) {
+  const uint8x16_t nib = vdupq_n_u8(0x0F);
+  uint32x4_t h[P][8];
+  for (unsigned i = 0; i < P; ++i)
+    for (unsigned r = 0; r < 8; ++r) h[i][r] = vdupq_n_u32(0);
+  for (unsigned j = q0; j < q1; ++j) {
+    if (pf != nullptr) pf->rows(1);
+    uint8x16_t c[8];  // c[r]: channels 4 r .. 4 r + 3 (r < 4), 16 + 4 (r - 4) .. (r >= 4)
+    for (unsigned r = 0; r < 4; ++r) {
+      const uint8x16_t x = vld1q_u8(codes + 64 * j + 16 * r);
+      c[r] = vandq_u8(x, nib);
+      c[r + 4] = vshrq_n_u8(x, 4);
+    }
+    for (unsigned i = 0; i < P; ++i) {
+      const uint8x16_t w = dword_u8(cw.w[i] + 4 * j);
+      for (unsigned r = 0; r < 8; ++r) h[i][r] = vdotq_u32(h[i][r], c[r], w);
+    }
+  }
+  for (unsigned i = 0; i < P; ++i) {
+    // sum_t w_t (c_t - 8) = sum_t w_t c_t - 8 sum_t w_t, exact in int32 (at most 32 * 255 * 15).
+    const int32x4_t centre = vdupq_n_s32(8 * cw.wsum[i]);
+    const float32x4_t st = vdupq_n_f32(cw.step[i]), bs = vdupq_n_f32(cw.base[i]);
+    float* o = acc + i * acc_stride;
+    for (unsigned r = 0; r < 8; ++r) {
+      const unsigned at = r < 4 ? 4 * r : 16 + 4 * (r - 4);
+      if (at >= n) continue;
+      const int32x4_t sum = vsubq_s32(vreinterpretq_s32_u32(h[i][r]), centre);
+      const unsigned m = n - at < 4 ? n - at : 4;
+      store_n(o + at, vaddq_f32(load_n(o + at, m), vfmaq_f32(bs, vcvtq_f32_s32(sum), st)), m);
+    }
+  }
+}
+
+// Tokens [first, end) of the value group v for P (1, 2) queries whose weights by token are u[i]
+// (p_t / max_t p_t, 0 outside the range) and max_t p_t pmax[i] (> 0), block column by block column.
+template <unsigned P>
+void values_nq(const float (*u)[32], const float* pmax, const std::uint8_t* v, unsigned first, unsigned end, unsigned hd,
+               float* acc, line_prefetch* pf) {
+  const unsigned nb = value_blocks(hd), q0 = first / 4, q1 = (end + 3) / 4;
+  const std::uint8_t* scales = v + value_scales_at(hd);
+  const std::uint8_t* mins = v + value_mins_at(hd);
+  uint32x4_t range[8];  // lanes of tokens in [first, end)
+  for (unsigned r = 0; r < 8; ++r) {
+    const uint32x4_t t = vaddq_u32(vdupq_n_u32(4 * r), uint32x4_t{0, 1, 2, 3});
+    range[r] = vandq_u32(vcgeq_u32(t, vdupq_n_u32(first)), vcltq_u32(t, vdupq_n_u32(end)));
+  }
+  for (unsigned g = 0; g < nb; ++g) {
+    // The column's scales and m + 8 s of the tokens in range (0 elsewhere, whatever is stored).
+    float32x4_t s[8], m8[8], smax = vdupq_n_f32(0.0f);
+    for (unsigned r = 0; r < 8; ++r) {
+      const float32x4_t sr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(scales + 64 * g + 8 * r)));
+      const float32x4_t mr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(mins + 64 * g + 8 * r)));
+      s[r] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(sr), range[r]));
+      m8[r] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vfmaq_n_f32(mr, s[r], 8.0f)), range[r]));
+      smax = vmaxq_f32(smax, s[r]);
+    }
+    const float sm = vmaxvq_f32(smax);
+    const float sinv = sm > 0.0f ? 255.0f / sm : 0.0f;
+    column_weights<P> cw;
+    for (unsigned i = 0; i < P; ++i) {
+      float32x4_t b = vdupq_n_f32(0.0f);
+      uint32x4_t ws = vdupq_n_u32(0);
+      for (unsigned r = 0; r < 8; r += 2) {
+        uint16x4_t w16[2];
+        for (unsigned e = 0; e < 2; ++e) {
+          const float32x4_t ur = vld1q_f32(u[i] + 4 * (r + e));
+          const int32x4_t w = vcvtnq_s32_f32(vmulq_f32(ur, vmulq_n_f32(s[r + e], sinv)));  // <= 255: u <= 1
+          w16[e] = vqmovun_s32(w);
+          ws = vaddq_u32(ws, vreinterpretq_u32_s32(w));
+          b = vfmaq_f32(b, ur, m8[r + e]);
+        }
+        vst1_u8(cw.w[i] + 4 * r, vqmovn_u16(vcombine_u16(w16[0], w16[1])));
+      }
+      cw.wsum[i] = static_cast<std::int32_t>(vaddvq_u32(ws));
+      cw.step[i] = pmax[i] * sm / 255.0f;
+      cw.base[i] = pmax[i] * vaddvq_f32(b);
+    }
+    column_sums<P>(v + std::size_t{512} * g, q0, q1, cw, acc + 32 * g, hd, hd - 32 * g < 32 ? hd - 32 * g : 32, pf);
+  }
+}
+
+// The table entry (kernels::table::accumulate_q4): the queries two at a time.
+void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
+                     std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
+                     prefetch_region region) {
+  if (tokens == 0) return;
+  const unsigned end = first + tokens;
+  line_prefetch rp(region, value_blocks(head_dim) * ((end + 3) / 4 - first / 4));
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 2) {
+    const unsigned n = nq - i0 < 2 ? nq - i0 : 2;
+    // u = p / max_t p by token (0 outside [first, end)); p below 2^-100 is scaled by 2^100 first
+    // (exact), since 1 / max p overflows below ~2^-126. Queries whose weights are all 0 add nothing.
+    alignas(16) float u[2][32];
+    float pmax[2];
+    unsigned live = 0, which[2] = {0, 0};
+    for (unsigned i = 0; i < n; ++i) {
+      const float* pi = p + (i0 + i) * p_stride;
+      float* ui = u[live];
+      for (unsigned t = 0; t < 32; ++t) ui[t] = 0.0f;
+      float pm = 0.0f;
+      for (unsigned t = first; t < end; ++t) {
+        ui[t] = pi[t - first];
+        pm = ui[t] > pm ? ui[t] : pm;
+      }
+      if (!(pm > 0.0f)) continue;
+      const float big = pm < 0x1p-100f ? 0x1p100f : 1.0f, kf = 1.0f / (pm * big);
+      for (unsigned r = 0; r < 8; ++r)
+        vst1q_f32(ui + 4 * r, vmulq_n_f32(vmulq_n_f32(vld1q_f32(ui + 4 * r), big), kf));
+      pmax[live] = pm;
+      which[live++] = i0 + i;
+    }
+    line_prefetch* pf = i0 == 0 ? &rp : nullptr;
+    if (live == 2)
+      values_nq<2>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+    else if (live == 1)
+      values_nq<1>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+  }
+}
+
+}  // namespace
+
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
+               float* out, std::size_t out_stride, prefetch_region pf) {
+  if (head_dim > int8_key_channels) {  // see int8_key_channels
+    neon::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
+    return;
+  }
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
+}
+
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
+                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
+  accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
+}
+
+}  // namespace kvcache::kernels::neondot
