@@ -148,8 +148,10 @@ struct V {
 
 const table& float_q4() noexcept { return simd_table; }
 
+namespace {
 // FEAT_DotProd (sdot, udot), as the kernel reports it: HWCAP_ASIMDDP, bit 20 of AT_HWCAP.
 bool has_dotprod() noexcept { return (getauxval(AT_HWCAP) & (1ul << 20)) != 0; }
+}  // namespace
 
 const table& get() noexcept {
   static const table t = [] {
