@@ -344,7 +344,9 @@ void add(const std::string& name, F f) {
     // VNNI (AVX2: vpmaddubsw) where the CPU has VNNI, to compare.
     const kernels::table* tf = kernels::find(i, kernels::q4_arith::float32);
     const kernels::table* tp = kernels::find_without_vnni(i);
-    for (const auto& [other, name] : {std::pair{tf, "_float32"}, std::pair{tp, "_int8_novnni"}}) {
+    for (const auto& variant : {std::pair{tf, "_float32"}, std::pair{tp, "_int8_novnni"}}) {
+      const kernels::table* other = variant.first;  // a variable, not a binding: clang 14 captures no bindings
+      const char* name = variant.second;
       if (other == nullptr || other == t) continue;
       for (std::uint32_t nq : {1u, 4u, 8u}) {
         const std::string suffix = is + name + "/nq:" + std::to_string(nq);
