@@ -69,8 +69,20 @@ for b in data["benchmarks"]:
             rows[key] = (b["tokens_per_s"], b["bytes_per_second"])
 
 ctx = data.get("context", {})
+# The CPU, by model name and family/model numbers: a VM's name alone ("AMD EPYC") hides which
+# generation ran the figures (this project's VM moved from Zen 4 to Zen 5 between sessions).
+cpu = {}
+try:
+    for line in open("/proc/cpuinfo"):
+        k, _, v = line.partition(":")
+        k = k.strip()
+        if k in ("model name", "cpu family", "model", "CPU implementer", "CPU part") and k not in cpu:
+            cpu[k] = v.strip()
+except OSError:
+    pass
+cpu_text = ", ".join(f"{k} {v}" for k, v in cpu.items())
 print(f"\nbest of {data['benchmarks'][0].get('repetitions', 1)} repetitions; decode attention, 1 sequence, 8 KV heads x 128, 32 query heads; ISA {isa}; "
-      f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}")
+      f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}; {cpu_text}")
 for t, bw in sorted(read.items()):
     print(f"streaming read (BM_read, {t} thread{'s' if t > 1 else ''}): {bw / 1e9:.2f} GB/s")
 print()
