@@ -204,7 +204,7 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
   for (unsigned i = 0; i < NQ; ++i) {
     alignas(32) std::int32_t yi[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(yi), yisum[i]);
-    std::int32_t ytotal = 0;
+    std::int64_t ytotal = 0;  // 64 bits: a NaN key scale turns a lane into INT_MIN (its result is NaN anyway)
     for (const std::int32_t x : yi) ytotal += x;
     const float e = hsum8(ysum[i]) - static_cast<float>(ytotal);
     const __m256 base = _mm256_set1_ps(qs[i].scale * 8.0f * e + qs[i].mc);

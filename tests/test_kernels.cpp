@@ -819,8 +819,8 @@ TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
         SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " tokens=", tokens));
         const std::vector<half> rows = make_rows(rng_, 32, hd, hd);
         group_buf kb = key_buf(hd), vb = value_buf(hd);
-        ref_->quantize_keys(rows.data(), hd, tokens, hd, kb.data());
-        ref_->quantize_values(rows.data(), hd, 32, hd, vb.data());
+        ref_->quantize_keys(rows.data() + 1, hd, tokens, hd, kb.data());
+        ref_->quantize_values(rows.data() + 1, hd, 32, hd, vb.data());
         std::vector<float> q(nq * hd);
         for (float& x : q) x = normal();
         const std::size_t os = 33;
