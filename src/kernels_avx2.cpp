@@ -155,16 +155,16 @@ const table& int8_without_vnni() noexcept {
   return t;
 }
 
+// Without AVX-VNNI, the very table int8_without_vnni() gives (find_without_vnni's contract).
 const table& get() noexcept {
-  static const table t = [] {
+  static const table vnni = [] {
     table x = int8_without_vnni();
-    if (has_avx_vnni()) {
-      x.scores_q4 = avx2vnni::scores_q4;
-      x.accumulate_q4 = avx2vnni::accumulate_q4;
-    }
+    x.scores_q4 = avx2vnni::scores_q4;
+    x.accumulate_q4 = avx2vnni::accumulate_q4;
     return x;
   }();
-  return t;
+  static const bool has = has_avx_vnni();
+  return has ? vnni : int8_without_vnni();
 }
 
 }  // namespace kvcache::kernels::avx2
