@@ -420,18 +420,21 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
   pfr = pf;
 }
 
-// Lane 4 j + e of the result: the sum of all 16 lanes of x[4 e + j] (a transposing tree: 45
-// instructions for the 16 sums).
-__attribute__((always_inline)) inline __m512 sum16(const __m512 (&x)[16]) {
-  __m512 a[8], b[4], c[2];
-#pragma GCC unroll 8
-  for (unsigned k = 0; k < 8; ++k)
+// The sums of all 16 lanes of each of 16 vectors x[4 e + j], to lane 4 j + e of one vector, by a
+// transposing tree (45 instructions for the 16 sums) taken in two steps: sum4_of_column, the first
+// two levels over the four vectors x[4 e ..] of one e, as soon as those are in (16 vectors live at
+// once spilled to the stack), then sum16_last over the four results.
+__attribute__((always_inline)) inline __m512 sum4_of_column(const __m512 (&x)[4]) {
+  __m512 a[2];
+#pragma GCC unroll 2
+  for (unsigned k = 0; k < 2; ++k)
     a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-#pragma GCC unroll 4
-  for (unsigned k = 0; k < 4; ++k)
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+__attribute__((always_inline)) inline __m512 sum16_last(const __m512 (&b)[4]) {
+  __m512 c[2];
 #pragma GCC unroll 2
   for (unsigned k = 0; k < 2; ++k)
     c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -518,12 +521,15 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G
     const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
     const column_scales<G>* cs = g0 == 0 && first != nullptr ? first : &own;
     if (cs == &own) prepare_columns<G>(tg, hd, g0, nc, own);
-    __m512 bsum[16];
-#pragma GCC unroll 16
-    for (unsigned x = 0; x < 16; ++x) bsum[x] = _mm512_setzero_ps();
+    // The bases' sums, column by column, each column's four reduced at once (sum4_of_column).
+    __m512 bcol[4];
 #pragma GCC unroll 4
     for (unsigned c = 0; c < 4; ++c) {
+      bcol[c] = _mm512_setzero_ps();
       if (c < nc) {
+        __m512 bsum[4];
+#pragma GCC unroll 4
+        for (unsigned i = 0; i < 4; ++i) bsum[i] = _mm512_setzero_ps();
 #pragma GCC unroll 2
         for (unsigned gi = 0; gi < G; ++gi) {
           const __m512 sl = _mm512_load_ps(cs->s[c] + 32 * gi), sh = _mm512_load_ps(cs->s[c] + 32 * gi + 16);
@@ -534,13 +540,14 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G
             const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi + 1], sh, mg));
             _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c] + 32 * gi),
                                _mm512_castsi512_si256(_mm512_permutex2var_epi8(w0, order, w1)));
-            bsum[4 * c + i] = _mm512_fmadd_ps(u[i][2 * gi], m8l, _mm512_fmadd_ps(u[i][2 * gi + 1], m8h, bsum[4 * c + i]));
+            bsum[i] = _mm512_fmadd_ps(u[i][2 * gi], m8l, _mm512_fmadd_ps(u[i][2 * gi + 1], m8h, bsum[i]));
           }
         }
+        bcol[c] = sum4_of_column(bsum);
       }
     }
     // Lane 4 i + c: the base and step of query i, column g0 + c.
-    _mm512_store_ps(cw.base, _mm512_mul_ps(sum16(bsum), us));
+    _mm512_store_ps(cw.base, _mm512_mul_ps(sum16_last(bcol), us));
     _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
     unsigned c = 0;
     for (; c + 2 <= nc; c += 2)
