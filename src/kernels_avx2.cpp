@@ -149,6 +149,7 @@ const table& int8_without_vnni() noexcept {
     table x = simd_table;
     x.scores_q4 = avx2int8::scores_q4;
     x.accumulate_q4 = avx2int8::accumulate_q4;
+    x.attend_q4 = avx2int8::attend_q4;
     x.q4 = x.q4_values = q4_arith::int8;
     return x;
   }();
@@ -161,6 +162,7 @@ const table& get() noexcept {
     table x = int8_without_vnni();
     x.scores_q4 = avx2vnni::scores_q4;
     x.accumulate_q4 = avx2vnni::accumulate_q4;
+    x.attend_q4 = avx2vnni::attend_q4;
     return x;
   }();
   static const bool has = has_avx_vnni();

@@ -49,8 +49,8 @@ const table& get() noexcept;
 const table& float_q4() noexcept;
 const table& int8_without_vnni() noexcept;
 }  // namespace avx2
-namespace avx2vnni { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
-namespace avx2int8 { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
+namespace avx2vnni { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
+namespace avx2int8 { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
 namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; }

@@ -384,6 +384,111 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
   }
 }
 
+// ---- the fused online-softmax step ------------------------------------------------------------
+
+// The float-lane operations exp2_simd.inl needs, on 8 lanes.
+struct avx2_float_ops {
+  using vf = __m256;
+  static vf set1(float x) { return _mm256_set1_ps(x); }
+  static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+  static vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^i built in the exponent bits (i in [-125, 0]).
+  static vf pow2(vf p, vf i) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+};
+using S = avx2_float_ops;
+#include "exp2_simd.inl"
+
+// The online-softmax step of NQ (1..4) queries over one Q4 group with tokens: the scores to a
+// buffer (scores_nq, or the float kernel for keys wider than int8_key_channels), then per query
+// the group's largest score, u_t = 2^(s_t - that max) (0 past the tokens), us = 2^(that max -
+// m_new), the running max, sum and accumulators rescaled where the max grew, and the values
+// weighted by u_t us: values_nq takes u and us as its p / max p and max p, so the weights need no
+// pass of their own (the separate kernels' accumulate_q4 finds max p and divides by it).
+template <unsigned NQ>
+void attend_nq(const float* q, const q4_group_ref& g, unsigned hd, float* run_max, float* run_sum, float* acc,
+               line_prefetch& pf) {
+  const unsigned n = g.tokens;
+  alignas(32) float s[NQ][32];
+  if (hd <= int8_key_channels) scores_nq<NQ>(q, g.k, n, hd, &s[0][0], 32, pf);
+  else avx2::float_q4().scores_q4(q, NQ, g.k, n, hd, &s[0][0], 32, {});
+  alignas(32) float u[NQ][32];
+  float us[NQ];
+  const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
+  for (unsigned i = 0; i < NQ; ++i) {
+    __m256 x[4], live[4], mx = ninf;
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) {
+      const unsigned m = n <= 8 * r ? 0u : (n - 8 * r < 8 ? n - 8 * r : 8u);
+      live[r] = _mm256_castsi256_ps(mask(m));
+      x[r] = _mm256_blendv_ps(ninf, load_n(s[i] + 8 * r, m), live[r]);
+      mx = _mm256_max_ps(mx, x[r]);
+    }
+    const float tmax = hmax8(mx);
+    const float m_new = tmax > run_max[i] ? tmax : run_max[i];
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 tv = _mm256_set1_ps(tmax);
+#pragma GCC unroll 4
+    for (unsigned r = 0; r < 4; ++r) {
+      const __m256 ur = _mm256_and_ps(exp2_nonpositive(_mm256_sub_ps(x[r], tv)), live[r]);
+      _mm256_store_ps(u[i] + 8 * r, ur);
+      sum = _mm256_add_ps(sum, ur);
+    }
+    us[i] = _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(tmax - m_new)));
+    if (m_new != run_max[i]) {
+      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
+      const float corr = run_max[i] < -3.0e38f
+                             ? 0.0f
+                             : _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(run_max[i] - m_new)));
+      float* a = acc + static_cast<std::size_t>(i) * hd;
+      const __m256 cv = _mm256_set1_ps(corr);
+      for (unsigned d = 0; d < hd; d += 8) {
+        if (hd - d >= 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), cv));
+        else _mm256_maskstore_ps(a + d, mask(hd - d), _mm256_mul_ps(load_n(a + d, hd - d), cv));
+      }
+      run_sum[i] *= corr;
+      run_max[i] = m_new;
+    }
+    run_sum[i] += hsum8(sum) * us[i];
+  }
+  // Values, the queries two at a time (values_nq's registers).
+  unsigned i = 0;
+  for (; i + 2 <= NQ; i += 2) values_nq<2>(u + i, us + i, g.v, 0, n, hd, acc + std::size_t{i} * hd, i == 0 ? &pf : nullptr);
+  if (i < NQ) values_nq<1>(u + i, us + i, g.v, 0, n, hd, acc + std::size_t{i} * hd, i == 0 ? &pf : nullptr);
+}
+
+// The table entry (kernels::table::attend_q4): group after group (those without tokens
+// skipped), the queries four at a time. The prefetch region is spread over the first queries'
+// key channel quads and value token quads of all the groups.
+void attend_int8(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
+                 std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region region) {
+  unsigned rows = 0;
+  for (std::uint32_t j = 0; j < count; ++j)
+    if (groups[j].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4);
+  if (rows == 0) return;
+  line_prefetch rp(region, rows), none;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const q4_group_ref& g = groups[j];
+    if (g.tokens == 0) continue;
+    for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+      const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+      float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+      line_prefetch& f = i0 == 0 ? rp : none;
+      switch (nq - i0 < 4 ? nq - i0 : 4) {
+        case 1: attend_nq<1>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+        case 2: attend_nq<2>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+        case 3: attend_nq<3>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+        default: attend_nq<4>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
@@ -398,4 +503,9 @@ void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uin
 void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
   accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
+}
+
+void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
+  attend_int8(q, nq, groups, count, head_dim, run_max, run_sum, acc, pf);
 }
