@@ -182,7 +182,7 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 // of the group's lanes), for G (1, 2) groups at once: each pass runs over the channels of all G
 // groups together, so that one group's chain of dependent steps (pass 1, the maxima's tree, the
 // division, pass 2) runs beside the other's, and the query's channels are loaded once for both
-// (two groups as one tile: 1.05x the fused step on cached groups against one group after the
+// (two groups as one tile: 1.03x the fused step on cached groups against one group after the
 // other, in-process alternation, session 16 on Zen 4).
 // `between` runs after the first pass, where the horizontal maxima and the divisions that follow
 // leave the vector pipes idle: the caller's work that does not depend on the scores.
