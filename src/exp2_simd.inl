@@ -1,7 +1,7 @@
 // 2^x for x <= 0 on a vector type, shared by attend()'s softmax step (attend_softmax_simd.inl) and
-// the fused Q4 step of kernels_avx512vnni.cpp: included inside the includer's namespace after it
-// defines the vector interface `S` (vf, set1, max, round, sub, mul, fmadd, pow2: see
-// attend_softmax_simd.inl).
+// the fused Q4 steps of kernels_avx512vnni.cpp and q4_int8_avx2.inl: included inside the
+// includer's namespace after it defines the vector interface `S` (vf, set1, max, round, sub, mul,
+// fmadd, pow2: see avx512_float_ops.inl, avx2_float_ops.inl).
 
 // 2^x for x <= 0, W lanes: x rounded to the nearest integer i, the polynomial of exp2_poly.inl
 // for 2^(x - i), 2^i applied by S::pow2. Lanes below -125 (and NaN: max returns its second
