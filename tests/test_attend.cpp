@@ -264,16 +264,18 @@ struct shape {
 };
 
 // Chunkings, as the caches produce them (and some they do not).
-enum class pattern { contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, two_tier, q4_only, mixed };
+// paged80_f16: blocks large enough to be read head by head, in tiles that straddle block ends.
+enum class pattern { contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, paged80_f16, two_tier, q4_only, mixed };
 const pattern all_patterns[] = {pattern::contiguous_f32, pattern::contiguous_f16, pattern::paged16_f16,
-                                pattern::paged32_f32,    pattern::two_tier,       pattern::q4_only,
-                                pattern::mixed};
+                                pattern::paged32_f32,    pattern::paged80_f16,    pattern::two_tier,
+                                pattern::q4_only,        pattern::mixed};
 const char* name(pattern p) {
   switch (p) {
     case pattern::contiguous_f32: return "contiguous_f32";
     case pattern::contiguous_f16: return "contiguous_f16";
     case pattern::paged16_f16: return "paged16_f16";
     case pattern::paged32_f32: return "paged32_f32";
+    case pattern::paged80_f16: return "paged80_f16";
     case pattern::two_tier: return "two_tier";
     case pattern::q4_only: return "q4_only";
     case pattern::mixed: return "mixed";
@@ -291,6 +293,7 @@ std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) 
     case pattern::contiguous_f16: r.push_back({n, format::f16, format::f16, n + 3}); break;
     case pattern::paged16_f16: blocks(16, format::f16); break;
     case pattern::paged32_f32: blocks(32, format::f32); break;
+    case pattern::paged80_f16: blocks(80, format::f16); break;
     case pattern::q4_only: blocks(32, format::q4); break;
     case pattern::two_tier: {  // 32-token Q4 groups, then an f16 tail of 40..71 tokens
       const std::uint32_t store = n > 40 ? (n - 40) / 32 * 32 : 0;
@@ -332,6 +335,7 @@ struct errors {
 struct case_result {
   errors vs_eff, vs_orig;
   double rel_l2_orig = 0.0;  // ||out - ref_orig|| / ||ref_orig|| over all outputs
+  double max_out = 0.0;      // max |out| / max |V| of its sequence: <= 1 for a convex combination
 };
 
 case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<std::uint32_t>& lengths,
@@ -366,6 +370,7 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
       if (!std::isfinite(o)) res.vs_eff.finite = res.vs_orig.finite = false;
       res.vs_eff.max_rel = std::max(res.vs_eff.max_rel, std::abs(o - ref_eff[j]) / vmax);
       res.vs_orig.max_rel = std::max(res.vs_orig.max_rel, std::abs(o - ref_orig[j]) / vmax);
+      res.max_out = std::max(res.max_out, std::abs(o) / vmax);
       num += (o - ref_orig[j]) * (o - ref_orig[j]);
       den += ref_orig[j] * ref_orig[j];
     }
@@ -424,7 +429,7 @@ TEST_P(attend_isa, every_chunking_and_format_matches_float64_reference) {
   isa_scope scope(GetParam());
   std::mt19937 rng(1234);
   const shape shapes[] = {{4, 2, 64}, {8, 8, 32}, {6, 2, 40}, {3, 1, 8}, {8, 1, 16}, {16, 4, 80}, {32, 8, 128}};
-  const std::uint32_t lengths[] = {1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, 300};
+  const std::uint32_t lengths[] = {1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300};
   double worst = 0.0;
   for (const shape& s : shapes)
     for (pattern p : all_patterns)
@@ -482,11 +487,25 @@ TEST_P(attend_isa, extreme_scores_do_not_overflow) {
   for (pattern p : all_patterns)
     for (std::uint32_t n : {1u, 33u, 700u}) {
       // scale 1, |q| ~ 30, |k| ~ 10: scores of magnitude ~1e4, far past exp's float range.
-      const case_result r = run_case(rng, {4, 2, 64}, p, {n, 2}, 1, 30.0f, 1.0f, false, 10.0f);
-      ASSERT_TRUE(r.vs_eff.finite) << name(p) << " n=" << n;
       // Scores ~1e4 carry float32 rounding ~1e-3 absolute, which moves softmax weights by ~1e-3
-      // relative (the weights are nearly one-hot, so the output moves less).
-      EXPECT_LE(r.vs_eff.max_rel, 2e-3) << name(p) << " n=" << n;
+      // relative (the weights are nearly one-hot, so the output moves less). The int8 Q4 key
+      // scores carry an error of ~0.1 max|q_d s_d| per token (int8_keys_tol), here tens of units
+      // of score, which can hand the weight from one token to another: with them the output is
+      // only bounded, as a convex combination of the values (weights rounded to u8 in the int8
+      // value sums: int8_values_tol), and the 2e-3 bound is checked on the float Q4 arithmetic.
+      const bool int8 = has_q4(p) && int8_keys();
+      const std::string what = std::string(name(p)) + " n=" + std::to_string(n);
+      const case_result r = run_case(rng, {4, 2, 64}, p, {n, 2}, 1, 30.0f, 1.0f, false, 10.0f);
+      ASSERT_TRUE(r.vs_eff.finite) << what;
+      if (!int8) {
+        EXPECT_LE(r.vs_eff.max_rel, 2e-3) << what;
+        continue;
+      }
+      EXPECT_LE(r.max_out, 1.0 + int8_values_tol) << what;
+      const case_result f = run_case(rng, {4, 2, 64}, p, {n, 2}, 1, 30.0f, 1.0f, false, 10.0f,
+                                     kvcache::kernels::q4_arith::float32);
+      ASSERT_TRUE(f.vs_eff.finite) << what << " (float Q4 arithmetic)";
+      EXPECT_LE(f.vs_eff.max_rel, 2e-3) << what << " (float Q4 arithmetic)";
     }
 }
 
