@@ -27,13 +27,29 @@ namespace {
 
 constexpr float log2e = 1.4426950408889634f;
 
-// Tokens per tile: a tile's keys and values (and its scores, group * tile floats) stay in L1
-// between the score pass, the softmax step and the value pass. A multiple of the Q4 group (32).
-std::uint32_t tile_tokens(std::uint32_t group) {
-  std::uint32_t t = 128 / group;
-  t = std::clamp<std::uint32_t>(t, 32, 128);
-  return t / 32 * 32;
+// Tokens per tile, at most: the row stride of a head's scores (group * tile floats, which stay in
+// L1 between the score pass, the softmax step and the value pass). A multiple of the Q4 group
+// (32). Each tile costs every head of it an online-softmax step (a pass over its accumulators when
+// the maximum grows) and a load and store of its accumulators in the value pass, whatever its
+// length: measured on Zen 4 (AVX-512, 8 kv heads x 128, in-process alternation, 41 rounds), 128-
+// token tiles rather than 32 made a decode step 1.08-1.09x faster at 32k tokens with 1 thread for
+// a contiguous f16 cache and 1.06-1.08x for a paged one (16-token blocks), 1.11x / 1.09x with 8
+// queries per kv head, 1.08-1.11x at 4k; with 2 threads (bandwidth-bound) 1.00-1.03x. On AVX2,
+// contiguous 1.07x and paged the same. Two-tier Q4 groups are tiles of their own (attend_q4).
+constexpr std::uint32_t max_tile = 128;
+
+// Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
+// so that a tile's rows lie in one chunk or two, and the rows a kernel prefetches (the tile's
+// successor in its chunk, or the first rows of the following chunk: ahead_rows) are the ones read
+// next; 64-token paged blocks read head by head ran at 0.46x the speed with 128-token tiles.
+std::uint32_t large_tile(const layer_view& view) {
+  if (view.count <= 1) return max_tile;
+  const std::uint32_t half = view.tokens / view.count / 2;
+  return std::clamp<std::uint32_t>(half / 32 * 32, 32, max_tile);
 }
+
+// Average tokens per chunk from which a view is read head by head (see run_task).
+constexpr std::uint32_t large_chunk_tokens = 64;
 
 std::size_t round_up64(std::size_t floats) { return (floats + 15) / 16 * 16; }
 
@@ -41,7 +57,7 @@ std::size_t round_up64(std::size_t floats) { return (floats + 15) / 16 * 16; }
 // [group][tile], and running max / sum [group].
 std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
   const std::size_t gd = round_up64(static_cast<std::size_t>(group) * head_dim);
-  return 2 * gd + round_up64(static_cast<std::size_t>(group) * tile_tokens(group)) + 2 * round_up64(group);
+  return 2 * gd + round_up64(static_cast<std::size_t>(group) * max_tile) + 2 * round_up64(group);
 }
 
 result<void> validate_params(const attention_params& p) {
@@ -174,7 +190,13 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // (118-122 before and after), where the kernels' own time, not the stream, is what paged adds to
 // contiguous (at 4k, from cache, paged runs at 0.83-0.9 of contiguous too). Large chunks (a
 // contiguous cache) are streamed well by the hardware alone.
-constexpr std::uint32_t prefetch_tokens = 32;  // one tile ahead (32 tokens at 4 queries per kv head)
+// The distance goes with the tile: the stream runs chunk by chunk, keys then values, where a
+// tile reads all its chunks' keys before their values. With 128-token tiles over 16-token blocks
+// (1 thread, 32k, in-process alternation against 32-token tiles 32 tokens ahead), 64 tokens ahead
+// ran 1.06-1.08x faster, 80 1.06x, 48 0.90x and 32 0.76x: too short a distance leaves the tile's
+// later keys unfetched while the stream is still on earlier values. At 64 the two-tier Q4 groups
+// (two tiles ahead, prefetched whole) ran as before (0.99-1.00x).
+constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
 
 // The chunk to prefetch when chunk ci starts, or nullptr.
@@ -398,7 +420,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
 // where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
-               cursor b, cursor e, float* partial) {
+               cursor b, cursor e, float* partial, std::uint32_t limit) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
@@ -425,7 +447,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   while (ci < end) {
     std::uint32_t start_ci = ci, start_off = off;  // where the tile starts
     std::uint32_t filled = 0;
-    for (; ci < end && filled < tile; ++ci, off = 0) {
+    for (; ci < end && filled < limit; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
       const std::uint32_t ch_tokens = tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
       if (off >= ch_tokens) continue;                  // empty (or an empty part)
@@ -461,8 +483,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         continue;
       }
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
-      if (ch.k_format == format::q4 && filled + ch.tokens > tile) break;
-      const std::uint32_t n = std::min(tile - filled, ch_tokens - off);
+      if (ch.k_format == format::q4 && filled + ch.tokens > limit) break;
+      const std::uint32_t n = std::min(limit - filled, ch_tokens - off);
       const chunk* fol = following(view, ci);
       if (off == 0) {
         const chunk* ahead = chunk_ahead(view, ci, hd);
@@ -530,12 +552,13 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     e = c.bounds[seq * (c.parts + 1) + part + 1];
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
-  const bool large = view.count <= 1 || view.tokens / view.count >= 2 * c.tile;
+  const bool large = view.count <= 1 || view.tokens / view.count >= large_chunk_tokens;
   if (large) {
+    const std::uint32_t limit = large_tile(view);
     for (std::uint32_t h = h0; h < h1; ++h)
-      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl);
+      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit);
   } else {
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, max_tile);
   }
 }
 
@@ -741,7 +764,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
   impl& w = *impl_;
   KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers, "attend: workspace scratch"));
-  KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(tile_tokens(p.q_heads / p.kv_heads)) * workers,
+  KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
                    "attend: workspace segments"));
   // Split sequences: parts * sequences partial results, sequences * (parts + 1) < 3 workers bounds.
   const std::size_t parts = max_parts(workers);
@@ -791,7 +814,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   fused_values = kt.which == isa::avx512 && p.head_dim % 16 == 0 &&
                  (group == 1 || group == 2 || group == 4 || group == 8);
 #endif
-  const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, tile_tokens(group),
+  const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, bounds, ws.impl_->partial.get(), scale * log2e,
                ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get()};
