@@ -36,6 +36,11 @@ constexpr float log2e = 1.4426950408889634f;
 // a contiguous f16 cache and 1.06-1.08x for a paged one (16-token blocks), 1.11x / 1.09x with 8
 // queries per kv head, 1.08-1.11x at 4k; with 2 threads (bandwidth-bound) 1.00-1.03x. On AVX2,
 // contiguous 1.07x and paged the same. Two-tier Q4 groups are tiles of their own (attend_q4).
+// Fewer queries per kv head, against the tiles before (128 / group, the stream 32 tokens ahead;
+// old and new library in alternating processes): 1 query, whose tiles were 128 already, paged
+// 1.27x faster (the stream distance, below), contiguous the same; 2 queries (64-token tiles
+// before) 0.97-1.0x, where 64-token tiles measured 1.0-1.04x of 128 in-process: within noise,
+// not worth a tile per group.
 constexpr std::uint32_t max_tile = 128;
 
 // Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
