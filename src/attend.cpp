@@ -151,7 +151,11 @@ struct call {
   float* scratch;
   std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats
   std::size_t head_floats;    // floats of one head's state (worker_floats)
-  bool fused_values;          // detail::attend_avx512::accumulate_segments handles this shape
+  // accumulate_segments of the table's ISA (attend_avx512 or attend_avx2) where it has one and
+  // handles this shape (else null).
+  bool (*fused_values)(bool f16, const float* p, std::size_t p_stride, std::uint32_t group,
+                       const detail::value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc,
+                       kernels::prefetch_region pf);
   detail::value_segment* segments;  // [worker][tile] scratch for it
 };
 
@@ -360,8 +364,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     return ch.v_format == format::q4 ? lines_of(value_head_bytes(ch, hd) * n / ch.tokens)
                                      : lines_of(static_cast<std::size_t>(n) * hd * dense_element_bytes(ch.v_format));
   };
-#if defined(KVCACHE_HAVE_AVX512)
-  if (c.fused_values) {
+  if (c.fused_values != nullptr) {
     const format vf = view.chunks[ci].v_format;  // chunk ci has tokens: filled > 0
     bool fused = vf != format::q4;
     detail::value_segment* segs = c.segments + static_cast<std::size_t>(worker) * tile;
@@ -379,13 +382,9 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
       lines += lines_read(ch, n);
       done += n;
     }
-    if (fused && detail::attend_avx512::accumulate_segments(vf == format::f16, s, tile, g, segs, count, hd, acc,
-                                                            pf.active() ? pf.take(lines) : next))
+    if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc, pf.active() ? pf.take(lines) : next))
       return;
   }
-#else
-  (void)worker;
-#endif
   const kernels::table& kt = *c.kt;
   std::uint32_t done = 0;
   for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
@@ -814,10 +813,15 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   cursor* bounds = ws.impl_->bounds.get();
   if (split.parts > 1)
     for (std::size_t s = 0; s < views.size(); ++s) split_view(views[s], split.parts, bounds + s * (split.parts + 1));
-  bool fused_values = false;
+  decltype(call::fused_values) fused_values = nullptr;
+  const bool fused_group = group == 1 || group == 2 || group == 4 || group == 8;
+#if defined(KVCACHE_HAVE_AVX2)
+  if (kt.which == isa::avx2 && p.head_dim % 8 == 0 && fused_group && group != 1)
+    fused_values = detail::attend_avx2::accumulate_segments;
+#endif
 #if defined(KVCACHE_HAVE_AVX512)
-  fused_values = kt.which == isa::avx512 && p.head_dim % 16 == 0 &&
-                 (group == 1 || group == 2 || group == 4 || group == 8);
+  if (kt.which == isa::avx512 && p.head_dim % 16 == 0 && fused_group)
+    fused_values = detail::attend_avx512::accumulate_segments;
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, bounds, ws.impl_->partial.get(), scale * log2e,
