@@ -814,7 +814,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   if (split.parts > 1)
     for (std::size_t s = 0; s < views.size(); ++s) split_view(views[s], split.parts, bounds + s * (split.parts + 1));
   decltype(call::fused_values) fused_values = nullptr;
-  const bool fused_group = group == 1 || group == 2 || group == 4 || group == 8;
+  [[maybe_unused]] const bool fused_group = group == 1 || group == 2 || group == 4 || group == 8;
 #if defined(KVCACHE_HAVE_AVX2)
   if (kt.which == isa::avx2 && p.head_dim % 8 == 0 && fused_group && group != 1)
     fused_values = detail::attend_avx2::accumulate_segments;
