@@ -286,9 +286,19 @@ __attribute__((always_inline)) inline void column_sums(const std::uint8_t* codes
   }
 }
 
-// Tokens [first, end) of the value group v for P (1, 2) queries whose weights by token are u[i]
-// (p_t / max_t p_t, 0 outside the range) and max_t p_t pmax[i] (> 0), block column by block column.
-template <unsigned P>
+// One block column's scales of the tokens in range as the weights take them: s_t 255 / max_t s and
+// m_t + 8 s_t, 0 outside the range (whatever is stored there); and max_t s.
+struct column_scales {
+  alignas(32) float s[32];
+  alignas(32) float m8[32];
+  float smax;
+};
+
+// Tokens [first, end) of the value group v for NQ (1..4) queries whose weights by token are u[i]
+// (p_t / max_t p_t, 0 outside the range) and max_t p_t pmax[i] (> 0), block column by block column:
+// each column's scales prepared once, then its integer sums two queries at a time (column_sums'
+// registers). Prefetched (pf): one row per token quad of a column, in the first two queries' sums.
+template <unsigned NQ>
 void values_nq(const float (*u)[32], const float* pmax, const std::uint8_t* v, unsigned first, unsigned end, unsigned hd,
                float* acc, line_prefetch* pf) {
   const unsigned nb = value_blocks(hd), q0 = first / 4, q1 = (end + 3) / 4;
@@ -304,36 +314,50 @@ void values_nq(const float (*u)[32], const float* pmax, const std::uint8_t* v, u
   const std::uint8_t* mins = v + value_mins_at(hd);
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (unsigned g = 0; g < nb; ++g) {
-    // The column's scales and m + 8 s of the tokens in range (0 elsewhere, whatever is stored).
-    __m256 s[4], m8[4], smax = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (unsigned r = 0; r < 4; ++r) {
-      s[r] = m8[r] = _mm256_setzero_ps();
-      if (r < v0 || r >= v1) continue;
-      const __m128i* sp = reinterpret_cast<const __m128i*>(scales + 64 * g + 16 * r);
-      const __m128i* mp = reinterpret_cast<const __m128i*>(mins + 64 * g + 16 * r);
-      s[r] = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp)), range[r]);
-      m8[r] = _mm256_and_ps(_mm256_fmadd_ps(s[r], eight, _mm256_cvtph_ps(_mm_loadu_si128(mp))), range[r]);
-      smax = _mm256_max_ps(smax, s[r]);
-    }
-    const float sm = hmax8(smax);
-    const __m256 sinv = _mm256_set1_ps(sm > 0.0f ? 255.0f / sm : 0.0f);
-    column_weights<P> cw;
-#pragma GCC unroll 2
-    for (unsigned i = 0; i < P; ++i) {
-      __m256i w[4];
-      __m256 b = _mm256_setzero_ps();
+    column_scales cs;
+    {
+      __m256 s[4], smax = _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (unsigned r = 0; r < 4; ++r) {
-        const __m256 ur = _mm256_load_ps(u[i] + 8 * r);
-        w[r] = _mm256_cvtps_epi32(_mm256_mul_ps(ur, _mm256_mul_ps(s[r], sinv)));  // <= 255: u <= 1
-        b = _mm256_fmadd_ps(ur, m8[r], b);
+        s[r] = _mm256_setzero_ps();
+        __m256 m8 = _mm256_setzero_ps();
+        if (r >= v0 && r < v1) {
+          const __m128i* sp = reinterpret_cast<const __m128i*>(scales + 64 * g + 16 * r);
+          const __m128i* mp = reinterpret_cast<const __m128i*>(mins + 64 * g + 16 * r);
+          s[r] = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp)), range[r]);
+          m8 = _mm256_and_ps(_mm256_fmadd_ps(s[r], eight, _mm256_cvtph_ps(_mm_loadu_si128(mp))), range[r]);
+          smax = _mm256_max_ps(smax, s[r]);
+        }
+        _mm256_store_ps(cs.m8 + 8 * r, m8);
       }
-      pack32u(w, cw.w[i]);
-      cw.step[i] = pmax[i] * sm / (codes_times_16 ? 255.0f * 16.0f : 255.0f);
-      cw.base[i] = pmax[i] * hsum8(b);
+      cs.smax = hmax8(smax);
+      const __m256 sinv = _mm256_set1_ps(cs.smax > 0.0f ? 255.0f / cs.smax : 0.0f);
+#pragma GCC unroll 4
+      for (unsigned r = 0; r < 4; ++r) _mm256_store_ps(cs.s + 8 * r, _mm256_mul_ps(s[r], sinv));
     }
-    column_sums<P>(v + std::size_t{512} * g, q0, q1, cw, acc + 32 * g, hd, hd - 32 * g < 32 ? hd - 32 * g : 32, pf);
+    const unsigned n = hd - 32 * g < 32 ? hd - 32 * g : 32;
+    auto queries = [&]<unsigned P>(unsigned i0) __attribute__((always_inline)) {
+      column_weights<P> cw;
+#pragma GCC unroll 2
+      for (unsigned i = 0; i < P; ++i) {
+        __m256i w[4];
+        __m256 b = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (unsigned r = 0; r < 4; ++r) {
+          const __m256 ur = _mm256_load_ps(u[i0 + i] + 8 * r);
+          w[r] = _mm256_cvtps_epi32(_mm256_mul_ps(ur, _mm256_load_ps(cs.s + 8 * r)));  // <= 255: u <= 1
+          b = _mm256_fmadd_ps(ur, _mm256_load_ps(cs.m8 + 8 * r), b);
+        }
+        pack32u(w, cw.w[i]);
+        cw.step[i] = pmax[i0 + i] * cs.smax / (codes_times_16 ? 255.0f * 16.0f : 255.0f);
+        cw.base[i] = pmax[i0 + i] * hsum8(b);
+      }
+      column_sums<P>(v + std::size_t{512} * g, q0, q1, cw, acc + std::size_t{i0} * hd + 32 * g, hd, n,
+                     i0 == 0 ? pf : nullptr);
+    };
+    unsigned i0 = 0;
+    for (; i0 + 2 <= NQ; i0 += 2) queries.template operator()<2>(i0);
+    if (i0 < NQ) queries.template operator()<1>(i0);
   }
 }
 
@@ -442,10 +466,7 @@ void attend_nq(const float* q, const q4_group_ref& g, unsigned hd, float* run_ma
     }
     run_sum[i] += hsum8(sum) * us[i];
   }
-  // Values, the queries two at a time (values_nq's registers).
-  unsigned i = 0;
-  for (; i + 2 <= NQ; i += 2) values_nq<2>(u + i, us + i, g.v, 0, n, hd, acc + std::size_t{i} * hd, i == 0 ? &pf : nullptr);
-  if (i < NQ) values_nq<1>(u + i, us + i, g.v, 0, n, hd, acc + std::size_t{i} * hd, i == 0 ? &pf : nullptr);
+  values_nq<NQ>(u, us, g.v, 0, n, hd, acc, &pf);
 }
 
 // The table entry (kernels::table::attend_q4): group after group (those without tokens
