@@ -353,6 +353,10 @@ void add(const std::string& name, F f) {
         add("BM_scores/q4/" + suffix, [other, nq](benchmark::State& s) { scores_q4(s, other, nq); });
         add("BM_accumulate/q4/" + suffix, [other, nq](benchmark::State& s) { accumulate_q4(s, other, nq); });
       }
+      if (other->attend_q4 != nullptr)
+        for (std::uint32_t g : {1u, 2u})
+          add("BM_attend_step/q4/" + is + name + "/nq:4/l2/g:" + std::to_string(g),
+              [other, g](benchmark::State& s) { attend_step_q4(s, other, 4, true, g); });
     }
   }
   return true;

@@ -837,6 +837,32 @@ TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
         t_->accumulate_q4(p.data(), tokens, nq, vb.data(), first, tokens, hd, acc.data(), {});
         plain->accumulate_q4(p.data(), tokens, nq, vb.data(), first, tokens, hd, acc2.data(), {});
         ASSERT_EQ(0, std::memcmp(acc.data(), acc2.data(), acc.size() * sizeof(float))) << "value sums differ, first=" << first;
+        // The fused step over this group alone and as the second of a pair (one tile, one grid):
+        // the same integer sums, widened group by group without VNNI.
+        if (t_->attend_q4 == nullptr || plain->attend_q4 == nullptr) continue;
+        const std::vector<half> rows2 = make_rows(rng_, 32, hd, hd);
+        group_buf kb2 = key_buf(hd), vb2 = value_buf(hd);
+        ref_->quantize_keys(rows2.data() + 1, hd, 32, hd, kb2.data());
+        ref_->quantize_values(rows2.data() + 1, hd, 32, hd, vb2.data());
+        const kernels::q4_group_ref groups[2] = {{kb2.data(), vb2.data(), 32}, {kb.data(), vb.data(), tokens}};
+        for (std::uint32_t count : {1u, 2u}) {
+          std::vector<float> m1(nq), s1(nq), m2, s2;
+          for (std::uint32_t i = 0; i < nq; ++i) {
+            m1[i] = normal();
+            s1[i] = 1.0f + std::abs(normal());
+          }
+          m2 = m1;
+          s2 = s1;
+          acc2 = acc;
+          std::vector<float> acc1 = acc;
+          const kernels::q4_group_ref* gs = count == 1 ? groups + 1 : groups;
+          t_->attend_q4(q.data(), nq, gs, count, hd, m1.data(), s1.data(), acc1.data(), {});
+          plain->attend_q4(q.data(), nq, gs, count, hd, m2.data(), s2.data(), acc2.data(), {});
+          ASSERT_EQ(0, std::memcmp(m1.data(), m2.data(), nq * sizeof(float))) << "fused step maxima differ, groups=" << count;
+          ASSERT_EQ(0, std::memcmp(s1.data(), s2.data(), nq * sizeof(float))) << "fused step sums differ, groups=" << count;
+          ASSERT_EQ(0, std::memcmp(acc1.data(), acc2.data(), acc1.size() * sizeof(float)))
+              << "fused step value sums differ, groups=" << count;
+        }
       }
 }
 

@@ -112,7 +112,7 @@ struct table {
   /// and accumulate_q4): online-softmax steps of decode attention over `count` Q4 groups in order
   /// (groups[j]: tokens 0..tokens-1 of key group k and value group v; groups of 0 tokens are
   /// skipped), for queries q [nq][head_dim] that give base-2 logits. The groups are taken in
-  /// tiles, two groups a tile on AVX-512, one on AVX2: for each query i, s_t = its scores over the
+  /// tiles, two groups a tile (a last odd one alone): for each query i, s_t = its scores over the
   /// tile's tokens as scores_q4 computes them, m = max(run_max[i], max_t s_t); where m exceeds
   /// run_max[i], acc[i][..] and run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while
   /// run_max[i] is -inf); then with w_t = 2^(s_t - m): run_sum[i] += sum_t w_t,
