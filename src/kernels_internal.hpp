@@ -67,7 +67,7 @@ namespace neon {
 const table& get() noexcept;
 const table& float_q4() noexcept;
 }  // namespace neon
-namespace neondot { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; }
+namespace neondot { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
 #endif
 
 }  // namespace kvcache::kernels

@@ -159,6 +159,7 @@ const table& get() noexcept {
     if (has_dotprod()) {
       x.scores_q4 = neondot::scores_q4;
       x.accumulate_q4 = neondot::accumulate_q4;
+      x.attend_q4 = neondot::attend_q4;
       x.q4 = x.q4_values = q4_arith::int8;
     }
     return x;

@@ -14,6 +14,11 @@
 // vector r holds the four channels' codes of tokens 4 r + j (low nibbles) and 16 + 4 r + j (high);
 // a value token quad of a column likewise holds channels 4 r + j and 16 + 4 r + j of the quad's
 // four tokens. Two queries at a time take the codes: 16 accumulators of 32.
+//
+// The fused step (attend_q4) is that of q4_int8_avx2.inl: two groups a softmax tile, their value
+// weights on one grid and their integer sums in the same accumulators. It is tested against its
+// parts under qemu (AttendQ4StepMatchesItsParts) but has not been timed on Arm hardware: on x86
+// the same step ran 1.09-1.17x faster than one group a call on cached groups.
 #include "kernels_internal.hpp"
 
 #include <arm_neon.h>
@@ -164,40 +169,45 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
 
 // ---- values -----------------------------------------------------------------------------------
 
-// The weights of P (1, 2) queries over one block column: w[i] (u8, token t at byte t; 0 outside
-// the tokens summed), their integer sum, and the float step and base (acc += step * sum + base).
-template <unsigned P>
+// The weights of P (1, 2) queries over one block column of G (1, 2) groups: w[i] (u8, token t of
+// group j at byte 32 j + t; 0 outside the tokens summed), their integer sum, and the float step
+// and base (acc += step * sum + base).
+template <unsigned P, unsigned G>
 struct column_weights {
-  alignas(16) std::uint8_t w[P][32];
+  alignas(16) std::uint8_t w[P][32 * G];
   std::int32_t wsum[P];
   float step[P], base[P];
 };
 
 // acc[i][0 .. n) (n <= 32 channels of one block column) += step[i] * (the integer sums of the
-// codes minus 8 of token quads [q0, q1) of the column at `codes`, weighted by w[i]) + base[i].
-template <unsigned P>
-__attribute__((always_inline)) inline void column_sums(const std::uint8_t* codes, unsigned q0, unsigned q1,
-                                                       const column_weights<P>& cw, float* acc, std::size_t acc_stride,
-                                                       unsigned n, line_prefetch* pf) {
+// codes minus 8 of token quads [q0[j], q1[j]) of the column at codes[j], group j < G, weighted by
+// w[i]) + base[i]. The G groups' sums share the accumulators (at most 64 * 255 * 15 each).
+template <unsigned P, unsigned G>
+__attribute__((always_inline)) inline void column_sums(const std::uint8_t* const* codes, const unsigned* q0,
+                                                       const unsigned* q1, const column_weights<P, G>& cw, float* acc,
+                                                       std::size_t acc_stride, unsigned n, line_prefetch* pf) {
   const uint8x16_t nib = vdupq_n_u8(0x0F);
   uint32x4_t h[P][8];
   for (unsigned i = 0; i < P; ++i)
     for (unsigned r = 0; r < 8; ++r) h[i][r] = vdupq_n_u32(0);
-  for (unsigned j = q0; j < q1; ++j) {
-    if (pf != nullptr) pf->rows(1);
-    uint8x16_t c[8];  // c[r]: channels 4 r .. 4 r + 3 (r < 4), 16 + 4 (r - 4) .. (r >= 4)
-    for (unsigned r = 0; r < 4; ++r) {
-      const uint8x16_t x = vld1q_u8(codes + 64 * j + 16 * r);
-      c[r] = vandq_u8(x, nib);
-      c[r + 4] = vshrq_n_u8(x, 4);
-    }
-    for (unsigned i = 0; i < P; ++i) {
-      const uint8x16_t w = dword_u8(cw.w[i] + 4 * j);
-      for (unsigned r = 0; r < 8; ++r) h[i][r] = vdotq_u32(h[i][r], c[r], w);
+  for (unsigned gj = 0; gj < G; ++gj) {
+    const std::uint8_t* cg = codes[gj];
+    for (unsigned j = q0[gj]; j < q1[gj]; ++j) {
+      if (pf != nullptr) pf->rows(1);
+      uint8x16_t c[8];  // c[r]: channels 4 r .. 4 r + 3 (r < 4), 16 + 4 (r - 4) .. (r >= 4)
+      for (unsigned r = 0; r < 4; ++r) {
+        const uint8x16_t x = vld1q_u8(cg + 64 * j + 16 * r);
+        c[r] = vandq_u8(x, nib);
+        c[r + 4] = vshrq_n_u8(x, 4);
+      }
+      for (unsigned i = 0; i < P; ++i) {
+        const uint8x16_t w = dword_u8(cw.w[i] + 32 * gj + 4 * j);
+        for (unsigned r = 0; r < 8; ++r) h[i][r] = vdotq_u32(h[i][r], c[r], w);
+      }
     }
   }
   for (unsigned i = 0; i < P; ++i) {
-    // sum_t w_t (c_t - 8) = sum_t w_t c_t - 8 sum_t w_t, exact in int32 (at most 32 * 255 * 15).
+    // sum_t w_t (c_t - 8) = sum_t w_t c_t - 8 sum_t w_t, exact in int32 (at most 64 * 255 * 15).
     const int32x4_t centre = vdupq_n_s32(8 * cw.wsum[i]);
     const float32x4_t st = vdupq_n_f32(cw.step[i]), bs = vdupq_n_f32(cw.base[i]);
     float* o = acc + i * acc_stride;
@@ -211,51 +221,71 @@ __attribute__((always_inline)) inline void column_sums(const std::uint8_t* codes
   }
 }
 
-// Tokens [first, end) of the value group v for P (1, 2) queries whose weights by token are u[i]
-// (p_t / max_t p_t, 0 outside the range) and max_t p_t pmax[i] (> 0), block column by block column.
-template <unsigned P>
-void values_nq(const float (*u)[32], const float* pmax, const std::uint8_t* v, unsigned first, unsigned end, unsigned hd,
-               float* acc, line_prefetch* pf) {
-  const unsigned nb = value_blocks(hd), q0 = first / 4, q1 = (end + 3) / 4;
-  const std::uint8_t* scales = v + value_scales_at(hd);
-  const std::uint8_t* mins = v + value_mins_at(hd);
-  uint32x4_t range[8];  // lanes of tokens in [first, end)
-  for (unsigned r = 0; r < 8; ++r) {
-    const uint32x4_t t = vaddq_u32(vdupq_n_u32(4 * r), uint32x4_t{0, 1, 2, 3});
-    range[r] = vandq_u32(vcgeq_u32(t, vdupq_n_u32(first)), vcltq_u32(t, vdupq_n_u32(end)));
+// Tokens [first[j], end[j]) of value groups v[j], j < G (1, 2), for NQ (1..4) queries whose weights
+// by token are u[i] (token t of group j at 32 j + t: p_t / max_t p_t, 0 outside the ranges) and
+// max_t p_t pmax[i] (> 0), block column by block column: each column's scales prepared once (the G
+// groups' weights on one grid), then its integer sums two queries at a time.
+template <unsigned NQ, unsigned G>
+void values_nq(const float (*u)[32 * G], const float* pmax, const std::uint8_t* const* v, const unsigned* first,
+               const unsigned* end, unsigned hd, float* acc, line_prefetch* pf) {
+  const unsigned nb = value_blocks(hd);
+  unsigned q0[G], q1[G];
+  uint32x4_t range[8 * G];  // lanes of tokens in [first, end)
+  for (unsigned j = 0; j < G; ++j) {
+    q0[j] = first[j] / 4;
+    q1[j] = (end[j] + 3) / 4;
+    for (unsigned r = 0; r < 8; ++r) {
+      const uint32x4_t t = vaddq_u32(vdupq_n_u32(4 * r), uint32x4_t{0, 1, 2, 3});
+      range[8 * j + r] = vandq_u32(vcgeq_u32(t, vdupq_n_u32(first[j])), vcltq_u32(t, vdupq_n_u32(end[j])));
+    }
   }
   for (unsigned g = 0; g < nb; ++g) {
-    // The column's scales and m + 8 s of the tokens in range (0 elsewhere, whatever is stored).
-    float32x4_t s[8], m8[8], smax = vdupq_n_f32(0.0f);
-    for (unsigned r = 0; r < 8; ++r) {
-      const float32x4_t sr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(scales + 64 * g + 8 * r)));
-      const float32x4_t mr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(mins + 64 * g + 8 * r)));
-      s[r] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(sr), range[r]));
-      m8[r] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vfmaq_n_f32(mr, s[r], 8.0f)), range[r]));
-      smax = vmaxq_f32(smax, s[r]);
+    // The column's scales times 255 / max s and m + 8 s of the tokens in range (0 elsewhere,
+    // whatever is stored).
+    alignas(16) float s[32 * G], m8[32 * G];
+    float32x4_t smax = vdupq_n_f32(0.0f);
+    for (unsigned r = 0; r < 8 * G; ++r) {
+      const std::uint8_t* vj = v[r / 8];
+      const std::uint8_t* sp = vj + value_scales_at(hd) + 64 * g + 8 * (r % 8);
+      const std::uint8_t* mp = vj + value_mins_at(hd) + 64 * g + 8 * (r % 8);
+      const float32x4_t sr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(sp)));
+      const float32x4_t mr = h2f(vld1_u16(reinterpret_cast<const std::uint16_t*>(mp)));
+      const float32x4_t sv = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(sr), range[r]));
+      vst1q_f32(s + 4 * r, sv);
+      vst1q_f32(m8 + 4 * r, vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vfmaq_n_f32(mr, sv, 8.0f)), range[r])));
+      smax = vmaxq_f32(smax, sv);
     }
     const float sm = vmaxvq_f32(smax);
     const float sinv = sm > 0.0f ? 255.0f / sm : 0.0f;
-    column_weights<P> cw;
-    for (unsigned i = 0; i < P; ++i) {
-      float32x4_t b = vdupq_n_f32(0.0f);
-      uint32x4_t ws = vdupq_n_u32(0);
-      for (unsigned r = 0; r < 8; r += 2) {
-        uint16x4_t w16[2];
-        for (unsigned e = 0; e < 2; ++e) {
-          const float32x4_t ur = vld1q_f32(u[i] + 4 * (r + e));
-          const int32x4_t w = vcvtnq_s32_f32(vmulq_f32(ur, vmulq_n_f32(s[r + e], sinv)));  // <= 255: u <= 1
-          w16[e] = vqmovun_s32(w);
-          ws = vaddq_u32(ws, vreinterpretq_u32_s32(w));
-          b = vfmaq_f32(b, ur, m8[r + e]);
+    for (unsigned r = 0; r < 8 * G; ++r) vst1q_f32(s + 4 * r, vmulq_n_f32(vld1q_f32(s + 4 * r), sinv));
+    const std::uint8_t* codes[G];
+    for (unsigned j = 0; j < G; ++j) codes[j] = v[j] + std::size_t{512} * g;
+    const unsigned n = hd - 32 * g < 32 ? hd - 32 * g : 32;
+    auto queries = [&]<unsigned P>(unsigned i0) __attribute__((always_inline)) {
+      column_weights<P, G> cw;
+      for (unsigned i = 0; i < P; ++i) {
+        float32x4_t b = vdupq_n_f32(0.0f);
+        uint32x4_t ws = vdupq_n_u32(0);
+        for (unsigned r = 0; r < 8 * G; r += 2) {
+          uint16x4_t w16[2];
+          for (unsigned e = 0; e < 2; ++e) {
+            const float32x4_t ur = vld1q_f32(u[i0 + i] + 4 * (r + e));
+            const int32x4_t w = vcvtnq_s32_f32(vmulq_f32(ur, vld1q_f32(s + 4 * (r + e))));  // <= 255: u <= 1
+            w16[e] = vqmovun_s32(w);
+            ws = vaddq_u32(ws, vreinterpretq_u32_s32(w));
+            b = vfmaq_f32(b, ur, vld1q_f32(m8 + 4 * (r + e)));
+          }
+          vst1_u8(cw.w[i] + 4 * r, vqmovn_u16(vcombine_u16(w16[0], w16[1])));
         }
-        vst1_u8(cw.w[i] + 4 * r, vqmovn_u16(vcombine_u16(w16[0], w16[1])));
+        cw.wsum[i] = static_cast<std::int32_t>(vaddvq_u32(ws));
+        cw.step[i] = pmax[i0 + i] * sm / 255.0f;
+        cw.base[i] = pmax[i0 + i] * vaddvq_f32(b);
       }
-      cw.wsum[i] = static_cast<std::int32_t>(vaddvq_u32(ws));
-      cw.step[i] = pmax[i] * sm / 255.0f;
-      cw.base[i] = pmax[i] * vaddvq_f32(b);
-    }
-    column_sums<P>(v + std::size_t{512} * g, q0, q1, cw, acc + 32 * g, hd, hd - 32 * g < 32 ? hd - 32 * g : 32, pf);
+      column_sums<P, G>(codes, q0, q1, cw, acc + std::size_t{i0} * hd + 32 * g, hd, n, i0 == 0 ? pf : nullptr);
+    };
+    unsigned i0 = 0;
+    for (; i0 + 2 <= NQ; i0 += 2) queries.template operator()<2>(i0);
+    if (i0 < NQ) queries.template operator()<1>(i0);
   }
 }
 
@@ -290,10 +320,112 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
       which[live++] = i0 + i;
     }
     line_prefetch* pf = i0 == 0 ? &rp : nullptr;
+    const std::uint8_t* vs[1] = {v};
+    const unsigned fs[1] = {first}, es[1] = {end};
     if (live == 2)
-      values_nq<2>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+      values_nq<2, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
     else if (live == 1)
-      values_nq<1>(u, pmax, v, first, end, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+      values_nq<1, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+  }
+}
+
+// ---- the fused online-softmax step ------------------------------------------------------------
+
+// The float-lane operations exp2_simd.inl needs, on 4 lanes.
+struct neon_float_ops {
+  using vf = float32x4_t;
+  static vf set1(float x) { return vdupq_n_f32(x); }
+  static vf sub(vf a, vf b) { return vsubq_f32(a, b); }
+  static vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+  // The number where one operand is NaN, as exp2_nonpositive expects of max (x86 maxps returns the
+  // second operand there).
+  static vf max(vf a, vf b) { return vmaxnmq_f32(a, b); }
+  static vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+  static vf round(vf x) { return vrndnq_f32(x); }  // to nearest, ties to even
+  // 2^i built in the exponent bits (i in [-125, 0]).
+  static vf pow2(vf p, vf i) {
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(i), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+  }
+};
+using S = neon_float_ops;
+#include "exp2_simd.inl"
+
+// The online-softmax step of NQ (1..4) queries over G (1, 2) Q4 groups with tokens, one tile, as
+// q4_int8_avx2.inl takes it: the scores to a buffer, per query the tile's largest score, u_t =
+// 2^(s_t - that max) (0 past each group's tokens), us = 2^(that max - m_new), the running max, sum
+// and accumulators rescaled where the max grew, and the values weighted by u_t us (values_nq takes
+// u and us as its p / max p and max p), the G groups' weights on one grid.
+template <unsigned NQ, unsigned G>
+void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
+               line_prefetch& pf) {
+  alignas(16) float s[NQ][32 * G];
+  const std::uint8_t* vs[G];
+  unsigned firsts[G], ends[G];
+  for (unsigned j = 0; j < G; ++j) {
+    if (hd <= int8_key_channels) scores_nq<NQ>(q, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, pf);
+    else neon::float_q4().scores_q4(q, NQ, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, {});
+    vs[j] = g[j].v;
+    firsts[j] = 0;
+    ends[j] = g[j].tokens;
+  }
+  alignas(16) float u[NQ][32 * G];
+  float us[NQ];
+  const float32x4_t ninf = vdupq_n_f32(-__builtin_inff());
+  for (unsigned i = 0; i < NQ; ++i) {
+    float32x4_t x[8 * G];
+    uint32x4_t live[8 * G];
+    float32x4_t mx = ninf;
+    for (unsigned r = 0; r < 8 * G; ++r) {
+      const unsigned n = g[r / 8].tokens, t = 4 * (r % 8);
+      const unsigned m = n <= t ? 0u : (n - t < 4 ? n - t : 4u);
+      live[r] = vcltq_u32(uint32x4_t{0, 1, 2, 3}, vdupq_n_u32(m));
+      x[r] = vbslq_f32(live[r], load_n(s[i] + 4 * r, m), ninf);  // nothing read past the scores
+      mx = vmaxq_f32(mx, x[r]);
+    }
+    const float tmax = vmaxvq_f32(mx);
+    const float m_new = tmax > run_max[i] ? tmax : run_max[i];
+    float32x4_t sum = vdupq_n_f32(0.0f);
+    const float32x4_t tv = vdupq_n_f32(tmax);
+    for (unsigned r = 0; r < 8 * G; ++r) {
+      const float32x4_t ur =
+          vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(exp2_nonpositive(vsubq_f32(x[r], tv))), live[r]));
+      vst1q_f32(u[i] + 4 * r, ur);
+      sum = vaddq_f32(sum, ur);
+    }
+    us[i] = vgetq_lane_f32(exp2_nonpositive(vdupq_n_f32(tmax - m_new)), 0);
+    if (m_new != run_max[i]) {
+      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
+      const float corr =
+          run_max[i] < -3.0e38f ? 0.0f : vgetq_lane_f32(exp2_nonpositive(vdupq_n_f32(run_max[i] - m_new)), 0);
+      float* a = acc + static_cast<std::size_t>(i) * hd;
+      for (unsigned d = 0; d < hd; d += 4) {
+        const unsigned m = hd - d < 4 ? hd - d : 4;
+        store_n(a + d, vmulq_n_f32(load_n(a + d, m), corr), m);
+      }
+      run_sum[i] *= corr;
+      run_max[i] = m_new;
+    }
+    run_sum[i] += vaddvq_f32(sum) * us[i];
+  }
+  values_nq<NQ, G>(u, us, vs, firsts, ends, hd, acc, &pf);
+}
+
+// One tile of G (1, 2) groups with tokens, the queries four at a time.
+template <unsigned G>
+void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* g, std::uint32_t head_dim, float* run_max,
+                 float* run_sum, float* acc, line_prefetch& rp) {
+  line_prefetch none;
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    line_prefetch& f = i0 == 0 ? rp : none;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: attend_nq<1, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 2: attend_nq<2, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 3: attend_nq<3, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      default: attend_nq<4, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+    }
   }
 }
 
@@ -311,6 +443,28 @@ void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uin
 void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
                    std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
   accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
+}
+
+// Two groups a tile (a last odd one alone), those without tokens skipped. The prefetch region is
+// spread over the first queries' key channel quads and value token quads of all the groups.
+void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region region) {
+  unsigned rows = 0;
+  for (std::uint32_t j = 0; j < count; ++j)
+    if (groups[j].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4);
+  if (rows == 0) return;
+  line_prefetch rp(region, rows);
+  q4_group_ref pair[2];
+  unsigned n = 0;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    if (groups[j].tokens == 0) continue;
+    pair[n++] = groups[j];
+    if (n == 2) {
+      attend_tile<2>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+      n = 0;
+    }
+  }
+  if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
 }
 
 }  // namespace kvcache::kernels::neondot
