@@ -718,23 +718,6 @@ void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_m
   values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
 }
 
-template <unsigned G>
-void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* gr, std::uint32_t head_dim, float* run_max,
-                 float* run_sum, float* acc, line_prefetch& pf) {
-  line_prefetch none;
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
-    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    line_prefetch& f = i0 == 0 ? pf : none;
-    switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: attend_nq<1, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 2: attend_nq<2, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 3: attend_nq<3, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      default: attend_nq<4, G>(qi, gr, head_dim, run_max + i0, run_sum + i0, a, f); break;
-    }
-  }
-}
-
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
@@ -766,25 +749,7 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 
 void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
-  // Spread over the channel quads of the first queries' scores and the token quads of their value
-  // columns, over all the groups: all of it in the scores alone (three lines a quad) stalled them.
-  unsigned rows = 0;
-  for (std::uint32_t g = 0; g < count; ++g)
-    if (groups[g].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[g].tokens + 3) / 4);
-  if (rows == 0) return;
-  line_prefetch rp(pf, rows);
-  // Two groups a tile (a last odd one alone); groups without tokens are skipped.
-  q4_group_ref pair[2];
-  unsigned n = 0;
-  for (std::uint32_t g = 0; g < count; ++g) {
-    if (groups[g].tokens == 0) continue;
-    pair[n++] = groups[g];
-    if (n == 2) {
-      attend_tile<2>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
-      n = 0;
-    }
-  }
-  if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, pf);
 }
 
 }  // namespace kvcache::kernels::avx512vnni

@@ -411,24 +411,6 @@ void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_ma
   values_nq<NQ, G>(u, us, vs, firsts, ends, hd, acc, &pf);
 }
 
-// One tile of G (1, 2) groups with tokens, the queries four at a time.
-template <unsigned G>
-void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* g, std::uint32_t head_dim, float* run_max,
-                 float* run_sum, float* acc, line_prefetch& rp) {
-  line_prefetch none;
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
-    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
-    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
-    line_prefetch& f = i0 == 0 ? rp : none;
-    switch (nq - i0 < 4 ? nq - i0 : 4) {
-      case 1: attend_nq<1, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 2: attend_nq<2, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      case 3: attend_nq<3, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
-      default: attend_nq<4, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
-    }
-  }
-}
-
 }  // namespace
 
 void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
@@ -445,26 +427,9 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
   accumulate_int8(p, p_stride, nq, v, first, tokens, head_dim, acc, pf);
 }
 
-// Two groups a tile (a last odd one alone), those without tokens skipped. The prefetch region is
-// spread over the first queries' key channel quads and value token quads of all the groups.
 void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region region) {
-  unsigned rows = 0;
-  for (std::uint32_t j = 0; j < count; ++j)
-    if (groups[j].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4);
-  if (rows == 0) return;
-  line_prefetch rp(region, rows);
-  q4_group_ref pair[2];
-  unsigned n = 0;
-  for (std::uint32_t j = 0; j < count; ++j) {
-    if (groups[j].tokens == 0) continue;
-    pair[n++] = groups[j];
-    if (n == 2) {
-      attend_tile<2>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
-      n = 0;
-    }
-  }
-  if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
+  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, pf);
 }
 
 }  // namespace kvcache::kernels::neondot

@@ -1,5 +1,5 @@
-// The parts of the int8 Q4 kernels (kernels_avx2vnni.cpp, kernels_avx512vnni.cpp) that do not
-// depend on the vector width: included inside each file's anonymous namespace (see
+// The parts of the int8 Q4 kernels (q4_int8_avx2.inl, kernels_avx512vnni.cpp, kernels_neondot.cpp)
+// that do not depend on the vector width: included inside each file's anonymous namespace (see
 // kernels_internal.hpp).
 //
 // The folded query x_d = q_d * scale_d of each query is carried as one int8 value per channel,
@@ -94,4 +94,53 @@ inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8
       default: scores_nq<4>(qi, k, tokens, head_dim, o, out_stride, f); break;
     }
   }
+}
+
+// The online-softmax step of NQ (1..4) queries over one tile of G (1, 2) Q4 groups with tokens
+// (table::attend_q4): defined by the including file where it has a fused step.
+template <unsigned NQ, unsigned G>
+void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
+               line_prefetch& pf);
+
+// One tile of G (1, 2) groups with tokens, the queries four at a time.
+template <unsigned G>
+void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* g, std::uint32_t head_dim, float* run_max,
+                 float* run_sum, float* acc, line_prefetch& pf) {
+  line_prefetch none;
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* qi = q + static_cast<std::size_t>(i0) * head_dim;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    line_prefetch& f = i0 == 0 ? pf : none;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: attend_nq<1, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 2: attend_nq<2, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      case 3: attend_nq<3, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+      default: attend_nq<4, G>(qi, g, head_dim, run_max + i0, run_sum + i0, a, f); break;
+    }
+  }
+}
+
+// The table entry (kernels::table::attend_q4) where the including file defines attend_nq: two
+// groups a tile (a last odd one alone), groups without tokens skipped. The prefetch region is
+// spread over the channel quads of the first queries' scores and the token quads of their value
+// columns, over all the groups (all of it in the scores alone, three lines a quad, stalled them).
+inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
+                               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
+                               prefetch_region region) {
+  unsigned rows = 0;
+  for (std::uint32_t j = 0; j < count; ++j)
+    if (groups[j].tokens > 0) rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4);
+  if (rows == 0) return;
+  line_prefetch rp(region, rows);
+  q4_group_ref pair[2];
+  unsigned n = 0;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    if (groups[j].tokens == 0) continue;
+    pair[n++] = groups[j];
+    if (n == 2) {
+      attend_tile<2>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+      n = 0;
+    }
+  }
+  if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
 }
