@@ -1,7 +1,7 @@
 // The int8 Q4 kernels on 256-bit vectors (AVX2): key scores and value sums in integer arithmetic,
 // shared by kernels_avx2vnni.cpp (vpdpbusd, AVX-VNNI) and kernels_avx2int8.cpp (vpmaddubsw, every
 // AVX2 CPU). Included inside each file's ISA namespace, where it defines the entry points
-// scores_q4 and accumulate_q4 and keeps the rest in the anonymous namespace (see
+// scores_q4, accumulate_q4 and attend_q4 and keeps the rest in the anonymous namespace (see
 // kernels_internal.hpp), after the file defines there
 //   void dot4(__m256i& part, __m256i u, __m256i s): adds to the partial sums `part` the four
 //     products of the unsigned bytes of u with the signed bytes of s in each dword;
