@@ -22,14 +22,9 @@ namespace {
 
 // The vector interface of attend_softmax_simd.inl: 8 float lanes.
 struct S : avx2_float_ops {
-  static constexpr std::uint32_t W = 8;
-  static vf zero() { return _mm256_setzero_ps(); }
   static vf load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
-  static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
-  static float hmax(vf v) { return hmax8(v); }
   static bool any_greater(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
-  static float hsum(vf v) { return hsum8(v); }
 };
 
 }  // namespace

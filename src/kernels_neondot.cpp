@@ -15,7 +15,7 @@
 // a value token quad of a column likewise holds channels 4 r + j and 16 + 4 r + j of the quad's
 // four tokens. Two queries at a time take the codes: 16 accumulators of 32.
 //
-// The fused step (attend_q4) is that of q4_int8_avx2.inl: two groups a softmax tile, their value
+// The fused step (attend_q4) is q4_attend_step.inl's, as on AVX2: two groups a softmax tile, their value
 // weights on one grid and their integer sums in the same accumulators. It is tested against its
 // parts under qemu (AttendQ4StepMatchesItsParts) but has not been timed on Arm hardware: on x86
 // the same step ran 1.09-1.17x faster than one group a call on cached groups.
@@ -331,9 +331,11 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
 
 // ---- the fused online-softmax step ------------------------------------------------------------
 
-// The float-lane operations exp2_simd.inl needs, on 4 lanes.
-struct neon_float_ops {
+// The vector interface of exp2_simd.inl and q4_attend_step.inl: 4 float lanes.
+struct S {
   using vf = float32x4_t;
+  using vm = uint32x4_t;
+  static constexpr unsigned W = 4;
   static vf set1(float x) { return vdupq_n_f32(x); }
   static vf sub(vf a, vf b) { return vsubq_f32(a, b); }
   static vf mul(vf a, vf b) { return vmulq_f32(a, b); }
@@ -347,69 +349,22 @@ struct neon_float_ops {
     const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(i), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(e));
   }
+  static vf zero() { return vdupq_n_f32(0.0f); }
+  static vf add(vf a, vf b) { return vaddq_f32(a, b); }
+  static float hmax(vf x) { return vmaxvq_f32(x); }
+  static float hsum(vf x) { return vaddvq_f32(x); }
+  static float first(vf x) { return vgetq_lane_f32(x, 0); }
+  static vm live(unsigned m) { return vcltq_u32(uint32x4_t{0, 1, 2, 3}, vdupq_n_u32(m)); }
+  static vf select(vm m, vf a, vf b) { return vbslq_f32(m, a, b); }
+  static vf keep(vf x, vm m) { return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), m)); }
+  static void store(float* p, vf x) { vst1q_f32(p, x); }
+  static vf load_count(const float* p, unsigned m) { return load_n(p, m); }
+  static void store_count(float* p, vf x, unsigned m) { store_n(p, x, m); }
 };
-using S = neon_float_ops;
 #include "exp2_simd.inl"
 
-// The online-softmax step of NQ (1..4) queries over G (1, 2) Q4 groups with tokens, one tile, as
-// q4_int8_avx2.inl takes it: the scores to a buffer, per query the tile's largest score, u_t =
-// 2^(s_t - that max) (0 past each group's tokens), us = 2^(that max - m_new), the running max, sum
-// and accumulators rescaled where the max grew, and the values weighted by u_t us (values_nq takes
-// u and us as its p / max p and max p), the G groups' weights on one grid.
-template <unsigned NQ, unsigned G>
-void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
-               line_prefetch& pf) {
-  alignas(16) float s[NQ][32 * G];
-  const std::uint8_t* vs[G];
-  unsigned firsts[G], ends[G];
-  for (unsigned j = 0; j < G; ++j) {
-    if (hd <= int8_key_channels) scores_nq<NQ>(q, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, pf);
-    else neon::float_q4().scores_q4(q, NQ, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, {});
-    vs[j] = g[j].v;
-    firsts[j] = 0;
-    ends[j] = g[j].tokens;
-  }
-  alignas(16) float u[NQ][32 * G];
-  float us[NQ];
-  const float32x4_t ninf = vdupq_n_f32(-__builtin_inff());
-  for (unsigned i = 0; i < NQ; ++i) {
-    float32x4_t x[8 * G];
-    uint32x4_t live[8 * G];
-    float32x4_t mx = ninf;
-    for (unsigned r = 0; r < 8 * G; ++r) {
-      const unsigned n = g[r / 8].tokens, t = 4 * (r % 8);
-      const unsigned m = n <= t ? 0u : (n - t < 4 ? n - t : 4u);
-      live[r] = vcltq_u32(uint32x4_t{0, 1, 2, 3}, vdupq_n_u32(m));
-      x[r] = vbslq_f32(live[r], load_n(s[i] + 4 * r, m), ninf);  // nothing read past the scores
-      mx = vmaxq_f32(mx, x[r]);
-    }
-    const float tmax = vmaxvq_f32(mx);
-    const float m_new = tmax > run_max[i] ? tmax : run_max[i];
-    float32x4_t sum = vdupq_n_f32(0.0f);
-    const float32x4_t tv = vdupq_n_f32(tmax);
-    for (unsigned r = 0; r < 8 * G; ++r) {
-      const float32x4_t ur =
-          vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(exp2_nonpositive(vsubq_f32(x[r], tv))), live[r]));
-      vst1q_f32(u[i] + 4 * r, ur);
-      sum = vaddq_f32(sum, ur);
-    }
-    us[i] = vgetq_lane_f32(exp2_nonpositive(vdupq_n_f32(tmax - m_new)), 0);
-    if (m_new != run_max[i]) {
-      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
-      const float corr =
-          run_max[i] < -3.0e38f ? 0.0f : vgetq_lane_f32(exp2_nonpositive(vdupq_n_f32(run_max[i] - m_new)), 0);
-      float* a = acc + static_cast<std::size_t>(i) * hd;
-      for (unsigned d = 0; d < hd; d += 4) {
-        const unsigned m = hd - d < 4 ? hd - d : 4;
-        store_n(a + d, vmulq_n_f32(load_n(a + d, m), corr), m);
-      }
-      run_sum[i] *= corr;
-      run_max[i] = m_new;
-    }
-    run_sum[i] += vaddvq_f32(sum) * us[i];
-  }
-  values_nq<NQ, G>(u, us, vs, firsts, ends, hd, acc, &pf);
-}
+inline const table& float_kernels() { return neon::float_q4(); }
+#include "q4_attend_step.inl"
 
 }  // namespace
 

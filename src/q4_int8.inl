@@ -97,7 +97,8 @@ inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8
 }
 
 // The online-softmax step of NQ (1..4) queries over one tile of G (1, 2) Q4 groups with tokens
-// (table::attend_q4): defined by the including file where it has a fused step.
+// (table::attend_q4): defined by the including file where it has a fused step
+// (kernels_avx512vnni.cpp; q4_attend_step.inl for q4_int8_avx2.inl and kernels_neondot.cpp).
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
                line_prefetch& pf);

@@ -450,76 +450,25 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
 // ---- the fused online-softmax step ------------------------------------------------------------
 
 #include "avx2_float_ops.inl"
-using S = avx2_float_ops;
+
+// The vector interface of q4_attend_step.inl (and exp2_simd.inl): 8 float lanes.
+struct S : avx2_float_ops {
+  using vm = __m256;
+  static float first(vf x) { return _mm256_cvtss_f32(x); }
+  static vm live(unsigned m) { return _mm256_castsi256_ps(mask(m)); }
+  static vf select(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+  static vf keep(vf x, vm m) { return _mm256_and_ps(x, m); }
+  static void store(float* p, vf x) { _mm256_store_ps(p, x); }
+  static vf load_count(const float* p, unsigned m) { return load_n(p, m); }
+  static void store_count(float* p, vf x, unsigned m) {
+    if (m >= 8) _mm256_storeu_ps(p, x);
+    else _mm256_maskstore_ps(p, mask(m), x);
+  }
+};
 #include "exp2_simd.inl"
 
-// The online-softmax step of NQ (1..4) queries over G (1, 2) Q4 groups with tokens, one tile: the
-// scores to a buffer (scores_nq, or the float kernel for keys wider than int8_key_channels), then
-// per query the tile's largest score, u_t = 2^(s_t - that max) (0 past each group's tokens), us =
-// 2^(that max - m_new), the running max, sum and accumulators rescaled where the max grew, and the
-// values weighted by u_t us: values_nq takes u and us as its p / max p and max p, so the weights
-// need no pass of their own (the separate kernels' accumulate_q4 finds max p and divides by it).
-// Two groups a tile put their weights on one grid, so that their integer value sums share the
-// accumulators: the softmax step's reductions, the columns' weight set-up and the float epilogue
-// once per 64 tokens, as on AVX-512. Measured on Zen 5 (head_dim 128, 4 queries, cached groups,
-// BM_attend_step/q4/.../l2/g:2): AVX-VNNI 1.16-1.17x, vpmaddubsw 1.09x, against one group a tile;
-// streamed (/stream/g:2) 1.09x; one query 1.05-1.2x.
-template <unsigned NQ, unsigned G>
-void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
-               line_prefetch& pf) {
-  alignas(32) float s[NQ][32 * G];
-  const std::uint8_t* vs[G];
-  unsigned firsts[G], ends[G];
-#pragma GCC unroll 2
-  for (unsigned j = 0; j < G; ++j) {
-    if (hd <= int8_key_channels) scores_nq<NQ>(q, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, pf);
-    else avx2::float_q4().scores_q4(q, NQ, g[j].k, g[j].tokens, hd, &s[0][32 * j], 32 * G, {});
-    vs[j] = g[j].v;
-    firsts[j] = 0;
-    ends[j] = g[j].tokens;
-  }
-  alignas(32) float u[NQ][32 * G];
-  float us[NQ];
-  const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
-  for (unsigned i = 0; i < NQ; ++i) {
-    __m256 x[4 * G], live[4 * G], mx = ninf;
-#pragma GCC unroll 8
-    for (unsigned r = 0; r < 4 * G; ++r) {
-      const unsigned n = g[r / 4].tokens, t = 8 * (r % 4);
-      const unsigned m = n <= t ? 0u : (n - t < 8 ? n - t : 8u);
-      live[r] = _mm256_castsi256_ps(mask(m));
-      x[r] = _mm256_blendv_ps(ninf, load_n(s[i] + 8 * r, m), live[r]);
-      mx = _mm256_max_ps(mx, x[r]);
-    }
-    const float tmax = hmax8(mx);
-    const float m_new = tmax > run_max[i] ? tmax : run_max[i];
-    __m256 sum = _mm256_setzero_ps();
-    const __m256 tv = _mm256_set1_ps(tmax);
-#pragma GCC unroll 8
-    for (unsigned r = 0; r < 4 * G; ++r) {
-      const __m256 ur = _mm256_and_ps(exp2_nonpositive(_mm256_sub_ps(x[r], tv)), live[r]);
-      _mm256_store_ps(u[i] + 8 * r, ur);
-      sum = _mm256_add_ps(sum, ur);
-    }
-    us[i] = _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(tmax - m_new)));
-    if (m_new != run_max[i]) {
-      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
-      const float corr = run_max[i] < -3.0e38f
-                             ? 0.0f
-                             : _mm256_cvtss_f32(exp2_nonpositive(_mm256_set1_ps(run_max[i] - m_new)));
-      float* a = acc + static_cast<std::size_t>(i) * hd;
-      const __m256 cv = _mm256_set1_ps(corr);
-      for (unsigned d = 0; d < hd; d += 8) {
-        if (hd - d >= 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), cv));
-        else _mm256_maskstore_ps(a + d, mask(hd - d), _mm256_mul_ps(load_n(a + d, hd - d), cv));
-      }
-      run_sum[i] *= corr;
-      run_max[i] = m_new;
-    }
-    run_sum[i] += hsum8(sum) * us[i];
-  }
-  values_nq<NQ, G>(u, us, vs, firsts, ends, hd, acc, &pf);
-}
+inline const table& float_kernels() { return avx2::float_q4(); }
+#include "q4_attend_step.inl"
 
 }  // namespace
 
