@@ -47,6 +47,7 @@ import json, re, sys
 data = json.load(open(sys.argv[1]))
 isa = sys.argv[2]
 read = {}   # threads -> bytes/s of BM_read
+read_all = {}  # threads -> every repetition's bytes/s of BM_read
 rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s)
 paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16), ...] per repetition
 for b in data["benchmarks"]:
@@ -56,6 +57,7 @@ for b in data["benchmarks"]:
     if name.startswith("BM_read"):
         t = int(b.get("threads", 1))
         read[t] = max(read.get(t, 0.0), b["bytes_per_second"])
+        read_all.setdefault(t, []).append(b["bytes_per_second"])
         continue
     m = re.match(r"BM_attend_paired/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
@@ -85,6 +87,14 @@ print(f"\nbest of {data['benchmarks'][0].get('repetitions', 1)} repetitions; dec
       f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}; {cpu_text}")
 for t, bw in sorted(read.items()):
     print(f"streaming read (BM_read, {t} thread{'s' if t > 1 else ''}): {bw / 1e9:.2f} GB/s")
+# The ratios below are only as good as this baseline: say so where it looks disturbed (its
+# repetitions more than 1.5x apart, or 1 thread below a quarter of 2 threads' bandwidth).
+for t, v in sorted(read_all.items()):
+    if max(v) > 1.5 * min(v):
+        print(f"warning: BM_read with {t} thread(s) ranged {min(v) / 1e9:.2f}-{max(v) / 1e9:.2f} GB/s over the repetitions")
+if 1 in read and 2 in read and read[1] < 0.25 * read[2]:
+    print("warning: BM_read with 1 thread is below a quarter of 2 threads' bandwidth: the baseline looks "
+          "disturbed, so are the ratios to it; run the report again")
 print()
 print(f"{'cache':<16} {'context':>8} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9}")
 for (cache, n, t), (tps, bps) in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
