@@ -289,47 +289,7 @@ void values_nq(const float (*u)[32 * G], const float* pmax, const std::uint8_t* 
   }
 }
 
-// The table entry (kernels::table::accumulate_q4): the queries two at a time.
-void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
-                     std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
-                     prefetch_region region) {
-  if (tokens == 0) return;
-  const unsigned end = first + tokens;
-  line_prefetch rp(region, value_blocks(head_dim) * ((end + 3) / 4 - first / 4));
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 2) {
-    const unsigned n = nq - i0 < 2 ? nq - i0 : 2;
-    // u = p / max_t p by token (0 outside [first, end)); p below 2^-100 is scaled by 2^100 first
-    // (exact), since 1 / max p overflows below ~2^-126. Queries whose weights are all 0 add nothing.
-    alignas(16) float u[2][32];
-    float pmax[2];
-    unsigned live = 0, which[2] = {0, 0};
-    for (unsigned i = 0; i < n; ++i) {
-      const float* pi = p + (i0 + i) * p_stride;
-      float* ui = u[live];
-      for (unsigned t = 0; t < 32; ++t) ui[t] = 0.0f;
-      float pm = 0.0f;
-      for (unsigned t = first; t < end; ++t) {
-        ui[t] = pi[t - first];
-        pm = ui[t] > pm ? ui[t] : pm;
-      }
-      if (!(pm > 0.0f)) continue;
-      const float big = pm < 0x1p-100f ? 0x1p100f : 1.0f, kf = 1.0f / (pm * big);
-      for (unsigned r = 0; r < 8; ++r)
-        vst1q_f32(ui + 4 * r, vmulq_n_f32(vmulq_n_f32(vld1q_f32(ui + 4 * r), big), kf));
-      pmax[live] = pm;
-      which[live++] = i0 + i;
-    }
-    line_prefetch* pf = i0 == 0 ? &rp : nullptr;
-    const std::uint8_t* vs[1] = {v};
-    const unsigned fs[1] = {first}, es[1] = {end};
-    if (live == 2)
-      values_nq<2, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
-    else if (live == 1)
-      values_nq<1, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
-  }
-}
-
-// ---- the fused online-softmax step ------------------------------------------------------------
+// ---- the value sums and the fused online-softmax step (q4_attend_step.inl) ---------------------
 
 // The vector interface of exp2_simd.inl and q4_attend_step.inl: 4 float lanes.
 struct S {

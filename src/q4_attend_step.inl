@@ -1,15 +1,65 @@
-// The fused online-softmax step of the int8 Q4 kernels (table::attend_q4) on AVX2 (q4_int8_avx2.inl,
-// 8 lanes) and NEON with the dot product (kernels_neondot.cpp, 4 lanes), written once against the
-// vector interface `S`: included inside the includer's anonymous namespace after q4_int8.inl,
-// its scores_nq and values_nq, exp2_simd.inl and `float_kernels()` (the includer's float Q4
-// table, for keys wider than int8_key_channels). kernels_avx512vnni.cpp has a step of its own
-// that keeps the scores and weights in registers (32 tokens are two of its vectors).
+// The weighted value sums of the int8 Q4 kernels (table::accumulate_q4) and their fused
+// online-softmax step (table::attend_q4) on AVX2 (q4_int8_avx2.inl, 8 lanes) and NEON with the dot
+// product (kernels_neondot.cpp, 4 lanes), written once against the vector interface `S`: included
+// inside the includer's anonymous namespace after q4_int8.inl, its scores_nq and values_nq,
+// exp2_simd.inl and `float_kernels()` (the includer's float Q4 table, for keys wider than
+// int8_key_channels). kernels_avx512vnni.cpp has its own, which keep the scores and weights in
+// registers (32 tokens are two of its vectors).
 //
 // S: vf, vm (a lane mask), W (lanes, 4 or 8: a 32-token group is 32 / W vectors), set1, zero, add,
 // mul, max, hmax, hsum, first (lane 0); live(m) (the first m lanes set), select(mask, a, b) (a where
 // set, b elsewhere), keep(x, mask) (x where set, 0 elsewhere); store (aligned to 4 W bytes); and
 // load_count(p, m) / store_count(p, x, m), which touch the first m (<= W) floats at p only (load:
 // 0 past them).
+
+// The table entry (kernels::table::accumulate_q4): the queries two at a time.
+void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
+                     std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
+                     prefetch_region region) {
+  constexpr unsigned W = S::W, R = 32 / W;  // R vectors a group
+  if (tokens == 0) return;
+  const unsigned end = first + tokens;
+  // One row per token quad of a column, in the first queries' pass.
+  line_prefetch rp(region, value_blocks(head_dim) * ((end + 3) / 4 - first / 4));
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 2) {
+    const unsigned n = nq - i0 < 2 ? nq - i0 : 2;
+    // u = p / max_t p by token (0 outside [first, end)); p below 2^-100 is scaled by 2^100 first
+    // (exact), since 1 / max p overflows below ~2^-126. Queries whose weights are all 0 add nothing.
+    alignas(4 * W) float u[2][32];
+    float pmax[2];
+    unsigned live = 0, which[2] = {0, 0};
+    for (unsigned i = 0; i < n; ++i) {
+      const float* pi = p + (i0 + i) * p_stride;
+      float* ui = u[live];
+      for (unsigned r = 0; r < R; ++r) S::store(ui + W * r, S::zero());
+      S::vf mx = S::zero();
+      if (first == 0) {
+        for (unsigned r = 0; W * r < end; ++r) {
+          const S::vf x = S::load_count(pi + W * r, end - W * r < W ? end - W * r : W);
+          S::store(ui + W * r, x);
+          mx = S::max(mx, x);
+        }
+      } else {
+        for (unsigned t = first; t < end; ++t) ui[t] = pi[t - first];
+        for (unsigned r = 0; r < R; ++r) mx = S::max(mx, S::load_count(ui + W * r, W));
+      }
+      const float pm = S::hmax(mx);
+      if (!(pm > 0.0f)) continue;
+      const float big = pm < 0x1p-100f ? 0x1p100f : 1.0f;
+      const S::vf b = S::set1(big), k = S::set1(1.0f / (pm * big));
+      for (unsigned r = 0; r < R; ++r) S::store(ui + W * r, S::mul(S::mul(S::load_count(ui + W * r, W), b), k));
+      pmax[live] = pm;
+      which[live++] = i0 + i;
+    }
+    line_prefetch* pf = i0 == 0 ? &rp : nullptr;
+    const std::uint8_t* vs[1] = {v};
+    const unsigned fs[1] = {first}, es[1] = {end};
+    if (live == 2)
+      values_nq<2, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+    else if (live == 1)
+      values_nq<1, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
+  }
+}
 
 // The online-softmax step of NQ (1..4) queries over G (1, 2) Q4 groups with tokens, one tile: the
 // scores to a buffer (scores_nq, or the float kernel for keys wider than int8_key_channels), then

@@ -398,56 +398,7 @@ void values_nq(const float (*u)[32 * G], const float* pmax, const std::uint8_t* 
   }
 }
 
-// The table entry (kernels::table::accumulate_q4): the queries two at a time.
-void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
-                     std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
-                     prefetch_region region) {
-  if (tokens == 0) return;
-  const unsigned end = first + tokens;
-  // One row per token quad of a column, in the first queries' pass.
-  line_prefetch rp(region, value_blocks(head_dim) * ((end + 3) / 4 - first / 4));
-  for (std::uint32_t i0 = 0; i0 < nq; i0 += 2) {
-    const unsigned n = nq - i0 < 2 ? nq - i0 : 2;
-    // u = p / max_t p by token (0 outside [first, end)); p below 2^-100 is scaled by 2^100 first
-    // (exact), since 1 / max p overflows below ~2^-126. Queries whose weights are all 0 add nothing.
-    alignas(32) float u[2][32];
-    float pmax[2];
-    unsigned live = 0, which[2] = {0, 0};
-    for (unsigned i = 0; i < n; ++i) {
-      const float* pi = p + (i0 + i) * p_stride;
-      float* ui = u[live];
-      for (unsigned r = 0; r < 4; ++r) _mm256_store_ps(ui + 8 * r, _mm256_setzero_ps());
-      __m256 mx = _mm256_setzero_ps();
-      if (first == 0) {
-        for (unsigned r = 0; 8 * r < end; ++r) {
-          const __m256 x = load_n(pi + 8 * r, end - 8 * r);
-          _mm256_store_ps(ui + 8 * r, x);
-          mx = _mm256_max_ps(mx, x);
-        }
-      } else {
-        for (unsigned t = first; t < end; ++t) ui[t] = pi[t - first];
-        for (unsigned r = 0; r < 4; ++r) mx = _mm256_max_ps(mx, _mm256_load_ps(ui + 8 * r));
-      }
-      const float pm = hmax8(mx);
-      if (!(pm > 0.0f)) continue;
-      const float big = pm < 0x1p-100f ? 0x1p100f : 1.0f;
-      const __m256 b = _mm256_set1_ps(big), k = _mm256_set1_ps(1.0f / (pm * big));
-      for (unsigned r = 0; r < 4; ++r)
-        _mm256_store_ps(ui + 8 * r, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(ui + 8 * r), b), k));
-      pmax[live] = pm;
-      which[live++] = i0 + i;
-    }
-    line_prefetch* pf = i0 == 0 ? &rp : nullptr;
-    const std::uint8_t* vs[1] = {v};
-    const unsigned fs[1] = {first}, es[1] = {end};
-    if (live == 2)
-      values_nq<2, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
-    else if (live == 1)
-      values_nq<1, 1>(u, pmax, vs, fs, es, head_dim, acc + std::size_t{which[0]} * head_dim, pf);
-  }
-}
-
-// ---- the fused online-softmax step ------------------------------------------------------------
+// ---- the value sums and the fused online-softmax step (q4_attend_step.inl) ---------------------
 
 #include "avx2_float_ops.inl"
 
