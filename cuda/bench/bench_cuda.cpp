@@ -35,9 +35,15 @@ using kvcache::format;
 // Largest device-to-device copy bandwidth seen in this run (bytes/s, read + write).
 double g_d2d_bandwidth = 0.0;
 
-// Times `launch` with CUDA events for every benchmark iteration.
+// A working set smaller than this may be served from L2 (50 MB on an H100, 60 MB on an H200)
+// when the same buffers are read over and over: such benchmarks write a flush buffer of this size
+// before each timed launch (outside the events), so that every launch reads device memory.
+constexpr std::size_t kFlushBytes = std::size_t{256} << 20;
+
+// Times `launch` with CUDA events for every benchmark iteration; with `flush`, writes kFlushBytes
+// there before each launch, outside the timed events.
 template <class F>
-void time_with_events(benchmark::State& state, F&& launch) {
+void time_with_events(benchmark::State& state, F&& launch, void* flush = nullptr) {
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
     state.SkipWithError("cudaEventCreate failed");
@@ -49,6 +55,7 @@ void time_with_events(benchmark::State& state, F&& launch) {
   }
   (void)cudaDeviceSynchronize();
   for (auto _ : state) {
+    if (flush != nullptr) (void)cudaMemsetAsync(flush, static_cast<int>(state.iterations() & 0xff), kFlushBytes, nullptr);
     (void)cudaEventRecord(start, nullptr);
     launch();
     (void)cudaEventRecord(stop, nullptr);
@@ -75,13 +82,29 @@ void* device_alloc(std::size_t bytes) {
   return p;
 }
 
-// Fills device memory with valid f16 values in [-1, 1] (so attention reads finite numbers).
+// Fills device memory with valid f16 values in [-1, 1] (so attention reads finite numbers): a
+// 2 MiB random pattern, copied over the whole range (fast even for 1 GiB caches). Q4 pages are
+// filled the same way: every 16-bit word is a valid f16 scale or minimum, every nibble a code.
 void fill_halves(void* dst, std::size_t count) {
-  std::vector<kvcache::half> h(count);
-  std::mt19937 gen(1);
-  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  for (auto& x : h) x = kvcache::to_half(d(gen));
-  (void)cudaMemcpy(dst, h.data(), count * sizeof(kvcache::half), cudaMemcpyHostToDevice);
+  static const std::vector<kvcache::half> pattern = [] {
+    std::vector<kvcache::half> h(std::size_t{1} << 20);
+    std::mt19937 gen(1);
+    std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+    for (auto& x : h) x = kvcache::to_half(d(gen));
+    return h;
+  }();
+  auto* out = static_cast<kvcache::half*>(dst);
+  for (std::size_t done = 0; done < count; done += pattern.size())
+    (void)cudaMemcpy(out + done, pattern.data(), std::min(pattern.size(), count - done) * sizeof(kvcache::half),
+                     cudaMemcpyHostToDevice);
+}
+
+void fill_floats(float* dst, std::size_t count, unsigned seed) {
+  std::vector<float> h(count);
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (auto& x : h) x = d(gen);
+  (void)cudaMemcpy(dst, h.data(), count * sizeof(float), cudaMemcpyHostToDevice);
 }
 
 void BM_cuda_memcpy_d2d(benchmark::State& state) {
@@ -125,10 +148,8 @@ struct paged_fixture {
     k = device_alloc(kb);
     v = device_alloc(vb);
     if (k == nullptr || v == nullptr) return false;
-    if (fmt == format::f16) {
-      fill_halves(k, kb / 2);
-      fill_halves(v, vb / 2);
-    }  // q4: zero groups decode to 0 (scale 0, min 0): a valid, if boring, cache
+    fill_halves(k, kb / 2);  // f16 or q4 pages: random, valid, never zeros
+    fill_halves(v, vb / 2);
     std::vector<std::uint32_t> ip{0}, ix(pages), la;
     std::iota(ix.begin(), ix.end(), 0u);
     std::shuffle(ix.begin(), ix.end(), std::mt19937(2));
@@ -211,7 +232,7 @@ void BM_cuda_append(benchmark::State& state) {
 }
 
 // range(0): tokens per sequence; range(1): batch; range(2): 0 contiguous f16, 1 paged f16
-// (16-token pages), 2 q4 (32-token pages, read in place).
+// (16-token pages), 2 q4 (32-token pages, read in place); range(3): split_tokens (tokens per block).
 void BM_cuda_attend(benchmark::State& state) {
   paged_fixture f;
   f.tokens = static_cast<std::uint32_t>(state.range(0));
@@ -231,18 +252,22 @@ void BM_cuda_attend(benchmark::State& state) {
   p.q_heads = q_heads;
   p.kv_heads = f.kv_heads;
   p.head_dim = f.head_dim;
-  p.split_tokens = 1024;
+  p.split_tokens = static_cast<std::uint32_t>(state.range(3));
   p.max_splits[0] = (f.tokens + p.split_tokens - 1) / p.split_tokens;
   const std::size_t qn = static_cast<std::size_t>(f.seqs) * q_heads * f.head_dim;
   p.q = static_cast<const float*>(device_alloc(qn * 4));
   p.out = static_cast<float*>(device_alloc(qn * 4));
   p.workspace = static_cast<float*>(device_alloc(kvcache::cuda_attend_workspace_bytes(p)));
-  if (p.q == nullptr || p.out == nullptr || p.workspace == nullptr) {
+  void* flush = f.kv_bytes < 2.0 * static_cast<double>(kFlushBytes) ? device_alloc(kFlushBytes) : nullptr;
+  if (p.q == nullptr || p.out == nullptr || p.workspace == nullptr ||
+      (flush == nullptr && f.kv_bytes < 2.0 * static_cast<double>(kFlushBytes))) {
     state.SkipWithError("device allocation failed");
     return;
   }
-  time_with_events(state, [&] { return kvcache::cuda_attend(kvcache::cuda{}, p).has_value(); });
+  fill_floats(const_cast<float*>(p.q), qn, 3);
+  time_with_events(state, [&] { return kvcache::cuda_attend(kvcache::cuda{}, p).has_value(); }, flush);
   report(state, f.kv_bytes);
+  if (flush != nullptr) (void)cudaFree(flush);
   (void)cudaFree(const_cast<float*>(p.q));
   (void)cudaFree(p.out);
   (void)cudaFree(p.workspace);
@@ -253,8 +278,8 @@ void BM_cuda_attend(benchmark::State& state) {
 BENCHMARK(BM_cuda_memcpy_d2d)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
 BENCHMARK(BM_cuda_append)->ArgNames({"paged", "src_f16"})->ArgsProduct({{0, 1}, {0, 1}})->UseManualTime();
 BENCHMARK(BM_cuda_attend)
-    ->ArgNames({"tokens", "batch", "kind"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}})
+    ->ArgNames({"tokens", "batch", "kind", "split"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {256, 1024, 4096}})
     ->UseManualTime();
 
 int main(int argc, char** argv) {
