@@ -351,6 +351,245 @@ __global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
   }
 }
 
+// ---- dense fast path: f16 or f32 keys and values, head_dim 64, 128 or 256 --------------------
+//
+// attend_dense: one block per (sequence, kv head, group of up to G query heads, split), like
+// attend_partial, but laid out for memory-level parallelism rather than lane = token:
+//   L = head_dim / 8 lanes share a token row, each holding 8 channels (one 16-byte load of f16,
+//   two of f32), so a warp load covers R = 32 / L whole rows, coalesced; a warp step takes U
+//   such loads of keys and U of values (TS = U R tokens), all issued before any is used, and the
+//   page numbers of the next step are loaded one step ahead;
+//   scores: 8-channel partial dots with the query (in registers), summed over the row's L lanes
+//   by xor shuffles; online softmax per step (max over the warp; row sums and outputs stay
+//   partial per row and are summed over rows once, at the end);
+//   values: acc[g][8 channels] += p * v, lane-parallel, no shuffle.
+// Query heads past the group (G rounds gqa up to a power of two) run with a zero query and are
+// never written. The warps' states merge in shared memory into the same partial state as
+// attend_partial's, for attend_merge.
+template <format F>
+struct dense_chunk;  // 8 consecutive elements of a row, 16-byte aligned
+// (Words are converted through intrinsics, not reinterpreted as halves or floats: the CPU
+// emulation compiles this with the host compiler's strict aliasing.)
+__device__ __forceinline__ float low_half(unsigned w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))); }
+__device__ __forceinline__ float high_half(unsigned w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))); }
+template <>
+struct dense_chunk<format::f16> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const std::byte* at) { raw = *reinterpret_cast<const uint4*>(at); }
+  __device__ __forceinline__ void to_float(float (&x)[8]) const {
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = low_half(w[i]);
+      x[2 * i + 1] = high_half(w[i]);
+    }
+  }
+};
+template <>
+struct dense_chunk<format::f32> {
+  uint4 raw[2];
+  __device__ __forceinline__ void load(const std::byte* at) {
+    raw[0] = reinterpret_cast<const uint4*>(at)[0];
+    raw[1] = reinterpret_cast<const uint4*>(at)[1];
+  }
+  __device__ __forceinline__ void to_float(float (&x)[8]) const {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      x[4 * i] = __uint_as_float(raw[i].x);
+      x[4 * i + 1] = __uint_as_float(raw[i].y);
+      x[4 * i + 2] = __uint_as_float(raw[i].z);
+      x[4 * i + 3] = __uint_as_float(raw[i].w);
+    }
+  }
+};
+
+template <format F, std::uint32_t L, std::uint32_t G>
+struct dense_shared {
+  float acc[kWarps][G][8 * L];
+  float m[kWarps][G];
+  float l[kWarps][G];
+};
+
+template <format F, std::uint32_t L, std::uint32_t G>
+__global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+                                                         std::uint32_t total_splits, float score_scale) {
+  constexpr std::uint32_t D = 8 * L;
+  constexpr std::uint32_t R = 32 / L;                       // rows per warp load
+  constexpr std::uint32_t U = F == format::f32 ? 2 : 4;     // loads of keys (and of values) per lane and step
+  constexpr std::uint32_t TS = U * R;                       // tokens per warp step
+  constexpr std::size_t EB = dense_element_bytes(F);
+  __shared__ dense_shared<F, L, G> sm;
+  const std::uint32_t b = blockIdx.x;
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
+  const std::uint32_t kvh = blockIdx.y / groups;
+  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
+  const std::uint32_t ng = min(G, gqa - g0);
+  const std::uint32_t qh0 = kvh * gqa + g0;
+  const std::uint32_t split = blockIdx.z;
+  const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::uint32_t r = lane / L, c = lane % L;  // row of the warp load, 8-channel chunk
+  const device_pages& pg = p.pages[seg];
+  const seq_pages sp = pages_of(p.tables[seg], pg.page_tokens, b);
+  const std::uint32_t t_begin = split * p.split_tokens;
+  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
+  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
+                              total_splits, D};
+  if (t_begin >= t_end) {  // empty split: a state the merge skips
+    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
+      float* st = out.at(qh0 + g, split_base + split);
+      st[0] = -INFINITY;
+      st[1] = 0.0f;
+    }
+    return;
+  }
+
+  float q[G][8], m[G], l[G], acc[G][8];
+#pragma unroll
+  for (std::uint32_t g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (std::uint32_t i = 0; i < 8; ++i) {
+      q[g][i] = g < ng ? p.q[(static_cast<std::size_t>(b) * p.q_heads + qh0 + g) * D + 8 * c + i] * score_scale : 0.0f;
+      acc[g][i] = 0.0f;
+    }
+  }
+
+  // Token t lies in page sp.pages[t / page_tokens], slot t % page_tokens (shift and mask for a
+  // power-of-two page, the common case).
+  const std::uint32_t pt = pg.page_tokens;
+  std::uint32_t shift = 0;
+  while ((1u << shift) < pt) ++shift;
+  const bool pow2 = (1u << shift) == pt;
+  const std::byte* k_base = static_cast<const std::byte*>(pg.k) + kvh * pg.k_head_stride + 8 * c * EB;
+  const std::byte* v_base = static_cast<const std::byte*>(pg.v) + kvh * pg.v_head_stride + 8 * c * EB;
+  const std::uint32_t stride = kWarps * TS;
+  // Page numbers of this lane's rows for the warp's next step (tokens past the split clamp to its
+  // last token: loaded, then masked).
+  std::uint32_t next_page[U];
+  auto fetch_pages = [&](std::uint32_t t0) {
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u) {
+      const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
+      next_page[u] = sp.pages[pow2 ? t >> shift : t / pt];
+    }
+  };
+  fetch_pages(min(t_begin + warp * TS, t_end - 1));
+
+  for (std::uint32_t t0 = t_begin + warp * TS; t0 < t_end; t0 += stride) {
+    dense_chunk<F> kc[U], vc[U];
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u) {
+      const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
+      const std::size_t slot = pow2 ? t & (pt - 1) : t % pt;
+      kc[u].load(k_base + next_page[u] * pg.k_page_stride + slot * (D * EB));
+      vc[u].load(v_base + next_page[u] * pg.v_page_stride + slot * (D * EB));
+    }
+    fetch_pages(min(t0 + stride, t_end - 1));
+
+    float s[U][G];
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u) {
+      float x[8];
+      kc[u].to_float(x);
+#pragma unroll
+      for (std::uint32_t g = 0; g < G; ++g) {
+        float a = q[g][0] * x[0], bb = q[g][1] * x[1];
+#pragma unroll
+        for (std::uint32_t i = 2; i < 8; i += 2) {
+          a = fmaf(q[g][i], x[i], a);
+          bb = fmaf(q[g][i + 1], x[i + 1], bb);
+        }
+        s[u][g] = a + bb;
+      }
+    }
+#pragma unroll
+    for (std::uint32_t o = L / 2; o > 0; o /= 2)
+#pragma unroll
+      for (std::uint32_t u = 0; u < U; ++u)
+#pragma unroll
+        for (std::uint32_t g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], static_cast<int>(o));
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u)
+      if (t0 + u * R + r >= t_end)
+#pragma unroll
+        for (std::uint32_t g = 0; g < G; ++g) s[u][g] = -INFINITY;
+
+    // Online softmax: the step's maximum over the whole warp (token t0 is always live).
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      float mx = s[0][g];
+#pragma unroll
+      for (std::uint32_t u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+#pragma unroll
+      for (std::uint32_t o = L; o < 32; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, static_cast<int>(o)));
+      const float m_new = fmaxf(m[g], mx);
+      const float alpha = exp2f(m[g] - m_new);  // m = -inf at the first step: alpha = 0
+      float sum = 0.0f;
+#pragma unroll
+      for (std::uint32_t u = 0; u < U; ++u) {
+        s[u][g] = exp2f(s[u][g] - m_new);  // masked rows: exp2(-inf) = 0
+        sum += s[u][g];
+      }
+      l[g] = l[g] * alpha + sum;  // this row's share; rows are summed at the end
+      m[g] = m_new;
+#pragma unroll
+      for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] *= alpha;
+    }
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u) {
+      float x[8];
+      vc[u].to_float(x);
+#pragma unroll
+      for (std::uint32_t g = 0; g < G; ++g)
+#pragma unroll
+        for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] = fmaf(s[u][g], x[i], acc[g][i]);
+    }
+  }
+
+  // Sum the rows' shares (lanes of the same chunk), then merge the warps in shared memory.
+#pragma unroll
+  for (std::uint32_t o = L; o < 32; o *= 2)
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      l[g] += __shfl_xor_sync(0xffffffffu, l[g], static_cast<int>(o));
+#pragma unroll
+      for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], static_cast<int>(o));
+    }
+  if (r == 0)
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g)
+#pragma unroll
+      for (std::uint32_t i = 0; i < 8; ++i) sm.acc[warp][g][8 * c + i] = acc[g][i];
+  if (lane == 0)
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      sm.m[warp][g] = m[g];
+      sm.l[warp][g] = l[g];
+    }
+  __syncthreads();
+  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
+    float sum = 0.0f, a = 0.0f;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) {
+        const float f = exp2f(sm.m[w][g] - mx);
+        sum += sm.l[w][g] * f;
+        a += sm.acc[w][g][d] * f;
+      }
+    float* st = out.at(qh0 + g, split_base + split);
+    if (d == 0) {
+      st[0] = mx;
+      st[1] = sum;
+    }
+    st[2 + d] = a;
+  }
+}
+
 using partial_fn = void (*)(attend_params, std::uint32_t, std::uint32_t, std::uint32_t, float);
 
 template <format KF>
@@ -373,6 +612,34 @@ partial_fn pick(format kf, format vf) {
 }
 
 bool known(format f) { return f == format::f32 || f == format::f16 || f == format::q4; }
+
+template <format F, std::uint32_t L>
+partial_fn pick_dense_g(std::uint32_t gqa) {
+  if (gqa == 1) return attend_dense<F, L, 1>;
+  if (gqa == 2) return attend_dense<F, L, 2>;
+  if (gqa <= 4) return attend_dense<F, L, 4>;
+  return attend_dense<F, L, 8>;  // more than 8: kMaxG-head groups, like attend_partial
+}
+template <format F>
+partial_fn pick_dense_l(std::uint32_t D, std::uint32_t gqa) {
+  if (D == 64) return pick_dense_g<F, 8>(gqa);
+  if (D == 128) return pick_dense_g<F, 16>(gqa);
+  return pick_dense_g<F, 32>(gqa);
+}
+partial_fn pick_dense(format f, std::uint32_t D, std::uint32_t gqa) {
+  return f == format::f32 ? pick_dense_l<format::f32>(D, gqa) : pick_dense_l<format::f16>(D, gqa);
+}
+
+/// Whether segment s takes attend_dense: keys and values both f16 or both f32, head_dim 64, 128
+/// or 256, and every row 16-byte aligned (its 16-byte loads).
+bool dense_fast_path(const attend_params& p, std::uint32_t s) {
+  const device_pages& pg = p.pages[s];
+  if (pg.k_format != pg.v_format || pg.k_format == format::q4) return false;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  const std::uint64_t bits = reinterpret_cast<std::uintptr_t>(pg.k) | reinterpret_cast<std::uintptr_t>(pg.v) |
+                             pg.k_page_stride | pg.v_page_stride | pg.k_head_stride | pg.v_head_stride;
+  return (bits & 15u) == 0;
+}
 
 
 /// Host-side validation of cuda_attend's parameters (no CUDA call).
@@ -437,7 +704,8 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
   const std::uint32_t total = p.max_splits[0] + (p.segments == 2 ? p.max_splits[1] : 0u);
   std::uint32_t base = 0;
   for (std::uint32_t s = 0; s < p.segments; ++s) {
-    const partial_fn fn = pick(p.pages[s].k_format, p.pages[s].v_format);
+    const partial_fn fn = dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, p.q_heads / p.kv_heads)
+                                                : pick(p.pages[s].k_format, p.pages[s].v_format);
     KVCACHE_TRY(launch(fn, dim3(p.batch, grid_y, p.max_splits[s]), dim3(kThreads), p, s, base, total, scale));
     base += p.max_splits[s];
   }

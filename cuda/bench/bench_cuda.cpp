@@ -279,7 +279,7 @@ BENCHMARK(BM_cuda_memcpy_d2d)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
 BENCHMARK(BM_cuda_append)->ArgNames({"paged", "src_f16"})->ArgsProduct({{0, 1}, {0, 1}})->UseManualTime();
 BENCHMARK(BM_cuda_attend)
     ->ArgNames({"tokens", "batch", "kind", "split"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {256, 1024, 4096}})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {128, 256, 512, 1024}})
     ->UseManualTime();
 
 int main(int argc, char** argv) {

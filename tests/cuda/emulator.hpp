@@ -110,6 +110,11 @@ struct uint4 {
 inline __half __ushort_as_half(std::uint16_t u) { return __half{u}; }
 inline float __half2float(__half h) { return kvcache::f16_bits_to_f32(h.bits); }
 inline float2 __half22float2(__half2 h) { return float2{__half2float(h.x), __half2float(h.y)}; }
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 namespace kvcache_emu {
 

@@ -51,6 +51,13 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {6, 3, 96, format::f16, format::q4, 32, false, 64, {95, 96, 97}},
       {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
       {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
+      // attend_dense (f16 or f32 keys and values, head_dim 64, 128, 256): steps of 8 (f16, 128),
+      // 16 (f16, 64), 4 (f32, 64) and 2 (f32, 256) tokens, ragged at both ends of a split
+      {8, 2, 128, format::f16, format::f16, 16, false, 64, {1, 8, 9, 17, 90}},
+      {4, 4, 64, format::f16, format::f16, 16, false, 32, {15, 16, 50}},  // gqa 1
+      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},         // gqa 3: a zero fourth query head
+      {24, 2, 128, format::f16, format::f16, 24, false, 64, {70, 33}},     // gqa 12: two groups; page 24 divides
+      {2, 1, 256, format::f32, format::f32, 16, false, 32, {45}},
   };
   for (const attend_case& c : cases) {
     rng r;
@@ -108,6 +115,45 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
     }
     EXPECT_LT(worst, 2e-4);
   }
+}
+
+// Which segments attend_dense takes: both formats dense and equal, head_dim 64, 128 or 256, every
+// row 16-byte aligned; the others go to attend_partial (covered above: head_dim 40, 72, 96, q4...).
+TEST(cuda_emulated, dense_path_needs_equal_dense_formats_and_aligned_rows) {
+  alignas(16) static std::uint8_t pool[64];
+  kvcache::attend_params p;
+  p.head_dim = 128;
+  kvcache::device_pages& pg = p.pages[0];
+  pg.k = pool;
+  pg.v = pool + 16;
+  pg.k_page_stride = pg.v_page_stride = 16 * 128 * 2 * 8;
+  pg.k_head_stride = pg.v_head_stride = 16 * 128 * 2;
+  pg.k_format = pg.v_format = format::f16;
+  EXPECT_TRUE(kvcache::dense_fast_path(p, 0));
+  pg.k_format = pg.v_format = format::f32;
+  EXPECT_TRUE(kvcache::dense_fast_path(p, 0));
+  for (const std::uint32_t d : {64u, 256u}) {
+    p.head_dim = d;
+    EXPECT_TRUE(kvcache::dense_fast_path(p, 0)) << d;
+  }
+  for (const std::uint32_t d : {32u, 40u, 96u, 255u}) {
+    p.head_dim = d;
+    EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << d;
+  }
+  p.head_dim = 128;
+  pg.v_format = format::f16;
+  EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << "mixed formats";
+  pg.k_format = pg.v_format = format::q4;
+  EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << "q4";
+  pg.k_format = pg.v_format = format::f16;
+  pg.v = pool + 8;
+  EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << "v 8-byte aligned";
+  pg.v = pool + 16;
+  pg.k_head_stride = 16 * 128 * 2 + 8;
+  EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << "head stride";
+  pg.k_head_stride = 16 * 128 * 2;
+  pg.v_page_stride += 4;
+  EXPECT_FALSE(kvcache::dense_fast_path(p, 0)) << "page stride";
 }
 
 TEST(cuda_emulated, append_kernel_scatters_like_the_host) {

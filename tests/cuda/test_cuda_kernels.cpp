@@ -367,6 +367,13 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
       {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
       {8, 1, 250, format::q4, format::q4, 32, false, 128, {400}},  // 8 value columns, the last partial
+      // attend_dense (f16 or f32 keys and values, head_dim 64, 128, 256): ragged steps and splits
+      {32, 8, 128, format::f16, format::f16, 16, false, 256, {1, 8, 9, 16, 17, 31, 33, 1000, 4099}},
+      {4, 4, 64, format::f16, format::f16, 16, false, 64, {5, 200, 16}},    // gqa 1
+      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3, 1024}},    // gqa 3: a zero fourth query head
+      {24, 2, 128, format::f16, format::f16, 24, false, 128, {300, 77}},    // gqa 12: two groups; page 24 divides
+      {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},
+      {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}},  // contiguous-like, gqa 8
   };
   for (attend_case c : cases) {
     for (std::uint32_t& len : c.lens) len = std::min<std::uint32_t>(len, static_cast<std::uint32_t>(steps(1 << 30, 96)));
