@@ -590,6 +590,251 @@ __global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::u
   }
 }
 
+// ---- Q4 fast path: Q4 keys and values, head_dim 64, 128 or 256 (B = head_dim / 32 columns) ----
+//
+// attend_q4: the block layout of attend_partial (one page, 32 tokens, per warp step), but the
+// codes are spread over the lanes so that every load is coalesced and issued before use:
+//   keys: lane (x, h) = (lane % 16, lane / 16) reads word x of channel quads 2k + h (the codes of
+//   tokens x and x + 16 for four channels), dots them with the folded query (the page's scales
+//   times the query, written to shared memory by the lanes, four channels each), and the halves
+//   h = 0, 1 are summed by one shuffle; lane t then owns token t (score, softmax weight);
+//   values: lane (x, h) reads word x of token quads 2 m + h of every column j (channels 32 j + x
+//   and 32 j + x + 16 of four tokens); each token's weight times its value scale goes through
+//   shared memory, the minimum's share (weight times minimum, the same for a column's channels)
+//   is summed per lane and column, and the halves h are summed at the end.
+// Codes become floats exactly through the bit pattern 2^23 + code (one byte permute and one add).
+// Tokens past a page's count get weight 0, their value scales and minimums are never used (they
+// may be anything, format.hpp).
+__device__ __forceinline__ float q4_code(unsigned codes, unsigned i) {  // byte i of four 4-bit codes
+  return __uint_as_float(__byte_perm(codes, 0x4B000000u, 0x7540u + i)) - 8388608.0f;
+}
+
+template <std::uint32_t B, std::uint32_t G>
+struct q4_shared {
+  alignas(16) float q[G][32 * B];
+  union {
+    alignas(16) float work[kWarps][G][32 * B];  // per warp: folded query, then weight x value scale [g][j][t]
+    alignas(16) float acc[kWarps][G][32 * B];   // the warps' outputs, for the merge
+  } u;
+  float m[kWarps][G];
+  float l[kWarps][G];
+};
+
+template <std::uint32_t B, std::uint32_t G>
+__global__ void __launch_bounds__(kThreads) attend_q4(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+                                                      std::uint32_t total_splits, float score_scale) {
+  constexpr std::uint32_t D = 32 * B;
+  constexpr std::uint32_t KW = D / 8;  // key code words per lane
+  __shared__ q4_shared<B, G> sm;
+  const std::uint32_t b = blockIdx.x;
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
+  const std::uint32_t kvh = blockIdx.y / groups;
+  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
+  const std::uint32_t ng = min(G, gqa - g0);
+  const std::uint32_t qh0 = kvh * gqa + g0;
+  const std::uint32_t split = blockIdx.z;
+  const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::uint32_t x = lane % 16, h = lane / 16;
+  const device_pages& pg = p.pages[seg];
+  const seq_pages sp = pages_of(p.tables[seg], q4_group, b);
+  const std::uint32_t t_begin = split * p.split_tokens;  // a multiple of 32: pages start tiles
+  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
+  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
+                              total_splits, D};
+  if (t_begin >= t_end) {  // empty split: a state the merge skips
+    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
+      float* st = out.at(qh0 + g, split_base + split);
+      st[0] = -INFINITY;
+      st[1] = 0.0f;
+    }
+    return;
+  }
+  for (std::uint32_t i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    sm.q[g][d] = g < ng ? p.q[(static_cast<std::size_t>(b) * p.q_heads + qh0 + g) * D + d] * score_scale : 0.0f;
+  }
+  __syncthreads();
+
+  float m[G], l[G], acc[G][B][2], bias[G][B];
+#pragma unroll
+  for (std::uint32_t g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (std::uint32_t j = 0; j < B; ++j) acc[g][j][0] = acc[g][j][1] = bias[g][j] = 0.0f;
+  }
+  float(*work)[D] = sm.u.work[warp];
+  const std::byte* k_heads = static_cast<const std::byte*>(pg.k) + kvh * pg.k_head_stride;
+  const std::byte* v_heads = static_cast<const std::byte*>(pg.v) + kvh * pg.v_head_stride;
+  const std::uint32_t stride = kWarps * q4_group;
+  std::uint32_t page = sp.pages[min(t_begin + warp * q4_group, t_end - 1) / q4_group];
+
+  for (std::uint32_t t0 = t_begin + warp * q4_group; t0 < t_end; t0 += stride) {
+    const std::uint32_t nt = min(q4_group, t_end - t0);
+    const bool live = lane < nt;  // lane = token of the page, for weights and value scales
+    const std::byte* kg = k_heads + page * pg.k_page_stride;
+    const std::byte* vg = v_heads + page * pg.v_page_stride;
+    // Every load of the page first.
+    unsigned kc[KW], vc[B][4];
+    const auto* kwords = reinterpret_cast<const unsigned*>(kg);
+    const auto* vwords = reinterpret_cast<const unsigned*>(vg);
+#pragma unroll
+    for (std::uint32_t k = 0; k < KW; ++k) kc[k] = kwords[(2 * k + h) * 16 + x];
+#pragma unroll
+    for (std::uint32_t j = 0; j < B; ++j)
+#pragma unroll
+      for (std::uint32_t mq = 0; mq < 4; ++mq) vc[j][mq] = vwords[j * 128 + (2 * mq + h) * 16 + x];
+    std::uint16_t ks[B], km[B], vs[B], vm[B];  // key channels lane * B + i; value columns of token `lane`
+    const auto* kscales = reinterpret_cast<const std::uint16_t*>(kg + q4_key_scales_offset(D)) + lane * B;
+    const auto* kmins = reinterpret_cast<const std::uint16_t*>(kg + q4_key_mins_offset(D)) + lane * B;
+    const auto* vscales = reinterpret_cast<const std::uint16_t*>(vg + q4_value_scales_offset(D)) + lane;
+    const auto* vmins = reinterpret_cast<const std::uint16_t*>(vg + q4_value_mins_offset(D)) + lane;
+#pragma unroll
+    for (std::uint32_t i = 0; i < B; ++i) {
+      ks[i] = kscales[i];
+      km[i] = kmins[i];
+      vs[i] = vscales[i * q4_group];
+      vm[i] = vmins[i * q4_group];
+    }
+    page = sp.pages[min(t0 + stride, t_end - 1) / q4_group];  // the next step's page, ahead
+
+    // Folded query: q * scale per channel (lane: channels lane * B ..), and sum q * min.
+    float cmin[G];
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      float c = 0.0f;
+#pragma unroll
+      for (std::uint32_t i = 0; i < B; ++i) {
+        const float qv = sm.q[g][lane * B + i];
+        work[g][lane * B + i] = qv * half_bits_to_float(ks[i]);
+        c = fmaf(qv, half_bits_to_float(km[i]), c);
+      }
+      cmin[g] = c;
+    }
+    __syncwarp();
+
+    // Scores of tokens x (low nibbles) and x + 16 (high) over channel quads 2 k + h.
+    float s0[G], s1[G];
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) s0[g] = s1[g] = 0.0f;
+#pragma unroll
+    for (std::uint32_t k = 0; k < KW; ++k) {
+      const unsigned lo = kc[k] & 0x0F0F0F0Fu, hi = (kc[k] >> 4) & 0x0F0F0F0Fu;
+      float a[4], c[4];
+#pragma unroll
+      for (std::uint32_t i = 0; i < 4; ++i) {
+        a[i] = q4_code(lo, i);
+        c[i] = q4_code(hi, i);
+      }
+#pragma unroll
+      for (std::uint32_t g = 0; g < G; ++g) {
+        const float4 qs = *reinterpret_cast<const float4*>(&work[g][4 * (2 * k + h)]);
+        s0[g] = fmaf(qs.x, a[0], fmaf(qs.y, a[1], fmaf(qs.z, a[2], fmaf(qs.w, a[3], s0[g]))));
+        s1[g] = fmaf(qs.x, c[0], fmaf(qs.y, c[1], fmaf(qs.z, c[2], fmaf(qs.w, c[3], s1[g]))));
+      }
+    }
+    float pr[G];
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      s0[g] += __shfl_xor_sync(0xffffffffu, s0[g], 16);
+      s1[g] += __shfl_xor_sync(0xffffffffu, s1[g], 16);
+      const float own = (h == 0 ? s0[g] : s1[g]) + warp_sum(cmin[g]);  // token `lane`
+      const float sc = live ? own : -INFINITY;
+      const float m_new = fmaxf(m[g], warp_max(sc));  // token t0 is live: finite
+      const float alpha = exp2f(m[g] - m_new);
+      pr[g] = exp2f(sc - m_new);  // dead tokens: 0
+      l[g] = l[g] * alpha + pr[g];  // this lane's token; lanes are summed at the end
+      m[g] = m_new;
+#pragma unroll
+      for (std::uint32_t j = 0; j < B; ++j) {
+        acc[g][j][0] *= alpha;
+        acc[g][j][1] *= alpha;
+        bias[g][j] *= alpha;
+      }
+    }
+    __syncwarp();  // the folded query is read: work now takes the weights
+
+    // Weight x value scale of this lane's token per column; the minimums' share per column.
+#pragma unroll
+    for (std::uint32_t j = 0; j < B; ++j) {
+      const float sc = live ? half_bits_to_float(vs[j]) : 0.0f, mn = live ? half_bits_to_float(vm[j]) : 0.0f;
+#pragma unroll
+      for (std::uint32_t g = 0; g < G; ++g) {
+        work[g][j * q4_group + lane] = pr[g] * sc;
+        bias[g][j] = fmaf(pr[g], mn, bias[g][j]);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (std::uint32_t j = 0; j < B; ++j)
+#pragma unroll
+      for (std::uint32_t mq = 0; mq < 4; ++mq) {
+        const unsigned lo = vc[j][mq] & 0x0F0F0F0Fu, hi = (vc[j][mq] >> 4) & 0x0F0F0F0Fu;
+        float a[4], c[4];  // tokens 4 (2 mq + h) + i of channels 32 j + x (a) and 32 j + x + 16 (c)
+#pragma unroll
+        for (std::uint32_t i = 0; i < 4; ++i) {
+          a[i] = q4_code(lo, i);
+          c[i] = q4_code(hi, i);
+        }
+#pragma unroll
+        for (std::uint32_t g = 0; g < G; ++g) {
+          const float4 w = *reinterpret_cast<const float4*>(&work[g][j * q4_group + 4 * (2 * mq + h)]);
+          acc[g][j][0] = fmaf(w.x, a[0], fmaf(w.y, a[1], fmaf(w.z, a[2], fmaf(w.w, a[3], acc[g][j][0]))));
+          acc[g][j][1] = fmaf(w.x, c[0], fmaf(w.y, c[1], fmaf(w.z, c[2], fmaf(w.w, c[3], acc[g][j][1]))));
+        }
+      }
+    __syncwarp();  // the weights are read: the next page folds its query into work
+  }
+
+  // Sum over the lanes: weights and minimum shares (one token per lane), token-quad halves h.
+#pragma unroll
+  for (std::uint32_t g = 0; g < G; ++g) {
+    l[g] = warp_sum(l[g]);
+#pragma unroll
+    for (std::uint32_t j = 0; j < B; ++j) {
+      bias[g][j] = warp_sum(bias[g][j]);
+      acc[g][j][0] += __shfl_xor_sync(0xffffffffu, acc[g][j][0], 16);
+      acc[g][j][1] += __shfl_xor_sync(0xffffffffu, acc[g][j][1], 16);
+    }
+  }
+  __syncthreads();  // every warp is done with work (acc shares its memory)
+  if (h == 0)
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g)
+#pragma unroll
+      for (std::uint32_t j = 0; j < B; ++j) {
+        sm.u.acc[warp][g][32 * j + x] = acc[g][j][0] + bias[g][j];
+        sm.u.acc[warp][g][32 * j + x + 16] = acc[g][j][1] + bias[g][j];
+      }
+  if (lane == 0)
+#pragma unroll
+    for (std::uint32_t g = 0; g < G; ++g) {
+      sm.m[warp][g] = m[g];
+      sm.l[warp][g] = l[g];
+    }
+  __syncthreads();
+  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
+    float sum = 0.0f, a = 0.0f;
+    for (std::uint32_t w = 0; w < kWarps; ++w)
+      if (sm.l[w][g] > 0.0f) {
+        const float f = exp2f(sm.m[w][g] - mx);
+        sum += sm.l[w][g] * f;
+        a += sm.u.acc[w][g][d] * f;
+      }
+    float* st = out.at(qh0 + g, split_base + split);
+    if (d == 0) {
+      st[0] = mx;
+      st[1] = sum;
+    }
+    st[2 + d] = a;
+  }
+}
+
 using partial_fn = void (*)(attend_params, std::uint32_t, std::uint32_t, std::uint32_t, float);
 
 template <format KF>
@@ -628,6 +873,27 @@ partial_fn pick_dense_l(std::uint32_t D, std::uint32_t gqa) {
 }
 partial_fn pick_dense(format f, std::uint32_t D, std::uint32_t gqa) {
   return f == format::f32 ? pick_dense_l<format::f32>(D, gqa) : pick_dense_l<format::f16>(D, gqa);
+}
+
+template <std::uint32_t B>
+partial_fn pick_q4_g(std::uint32_t gqa) {
+  if (gqa == 1) return attend_q4<B, 1>;
+  if (gqa == 2) return attend_q4<B, 2>;
+  if (gqa <= 4) return attend_q4<B, 4>;
+  return attend_q4<B, 8>;
+}
+partial_fn pick_q4(std::uint32_t D, std::uint32_t gqa) {
+  if (D == 64) return pick_q4_g<2>(gqa);
+  if (D == 128) return pick_q4_g<4>(gqa);
+  return pick_q4_g<8>(gqa);
+}
+
+/// Whether segment s takes attend_q4: Q4 keys and values, head_dim 64, 128 or 256 (the pages'
+/// other conditions, 32 tokens and 4-byte alignment, are validate_attend's for every Q4 page).
+bool q4_fast_path(const attend_params& p, std::uint32_t s) {
+  const device_pages& pg = p.pages[s];
+  return pg.k_format == format::q4 && pg.v_format == format::q4 &&
+         (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256);
 }
 
 /// Whether segment s takes attend_dense: keys and values both f16 or both f32, head_dim 64, 128
@@ -704,7 +970,9 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
   const std::uint32_t total = p.max_splits[0] + (p.segments == 2 ? p.max_splits[1] : 0u);
   std::uint32_t base = 0;
   for (std::uint32_t s = 0; s < p.segments; ++s) {
-    const partial_fn fn = dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, p.q_heads / p.kv_heads)
+    const std::uint32_t gqa_s = p.q_heads / p.kv_heads;
+    const partial_fn fn = dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, gqa_s)
+                          : q4_fast_path(p, s)  ? pick_q4(p.head_dim, gqa_s)
                                                 : pick(p.pages[s].k_format, p.pages[s].v_format);
     KVCACHE_TRY(launch(fn, dim3(p.batch, grid_y, p.max_splits[s]), dim3(kThreads), p, s, base, total, scale));
     base += p.max_splits[s];

@@ -107,9 +107,19 @@ struct float2 {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
 inline __half __ushort_as_half(std::uint16_t u) { return __half{u}; }
 inline float __half2float(__half h) { return kvcache::f16_bits_to_f32(h.bits); }
 inline float2 __half22float2(__half2 h) { return float2{__half2float(h.x), __half2float(h.y)}; }
+/// Byte n of the result: byte (s >> 4 n) & 7 of the eight bytes x (0..3), y (4..7).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const std::uint64_t v = (static_cast<std::uint64_t>(y) << 32) | x;
+  unsigned r = 0;
+  for (unsigned n = 0; n < 4; ++n) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
 inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, sizeof f);

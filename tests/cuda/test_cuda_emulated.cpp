@@ -58,6 +58,12 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},         // gqa 3: a zero fourth query head
       {24, 2, 128, format::f16, format::f16, 24, false, 64, {70, 33}},     // gqa 12: two groups; page 24 divides
       {2, 1, 256, format::f32, format::f32, 16, false, 32, {45}},
+      // attend_q4 (q4 keys and values, head_dim 64, 128, 256); {8, 2, 64} above is one too
+      {4, 1, 128, format::q4, format::q4, 32, true, 32, {129, 64}},   // then an f16 tail (attend_dense)
+      {16, 2, 256, format::q4, format::q4, 32, false, 64, {40, 96}},  // gqa 8
+      {3, 3, 64, format::q4, format::q4, 32, false, 96, {1, 95}},     // gqa 1
+      {12, 1, 128, format::q4, format::q4, 32, true, 64, {70}},       // gqa 12: groups of 8 and 4
+      {4, 2, 128, format::q4, format::q4, 32, false, 32, {33, 64}},   // gqa 2
   };
   for (const attend_case& c : cases) {
     rng r;

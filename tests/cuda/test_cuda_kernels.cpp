@@ -374,6 +374,12 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {24, 2, 128, format::f16, format::f16, 24, false, 128, {300, 77}},    // gqa 12: two groups; page 24 divides
       {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},
       {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}},  // contiguous-like, gqa 8
+      // attend_q4 (q4 keys and values, head_dim 64, 128, 256)
+      {32, 8, 128, format::q4, format::q4, 32, true, 256, {1, 31, 32, 33, 1000, 4099}},  // then an f16 tail
+      {16, 2, 256, format::q4, format::q4, 32, false, 128, {700, 64}},  // gqa 8
+      {3, 3, 64, format::q4, format::q4, 32, false, 96, {1, 95, 2000}},   // gqa 1
+      {12, 1, 128, format::q4, format::q4, 32, true, 64, {700}},          // gqa 12: groups of 8 and 4
+      {6, 3, 128, format::q4, format::q4, 32, false, 32, {33, 64, 65}},   // gqa 2
   };
   for (attend_case c : cases) {
     for (std::uint32_t& len : c.lens) len = std::min<std::uint32_t>(len, static_cast<std::uint32_t>(steps(1 << 30, 96)));
