@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace kvcache {
 namespace {
@@ -357,8 +358,8 @@ __global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
 // attend_partial, but laid out for memory-level parallelism rather than lane = token:
 //   L = head_dim / 8 lanes share a token row, each holding 8 channels (one 16-byte load of f16,
 //   two of f32), so a warp load covers R = 32 / L whole rows, coalesced; a warp step takes U
-//   such loads of keys and U of values (TS = U R tokens), all issued before any is used, and the
-//   page numbers of the next step are loaded one step ahead;
+//   such loads of keys and U of values (TS = U R tokens), copied into shared memory (cp.async)
+//   two steps ahead of their use, the page numbers one step before that;
 //   scores: 8-channel partial dots with the query (in registers), summed over the row's L lanes
 //   by xor shuffles; online softmax per step (max over the warp; row sums and outputs stay
 //   partial per row and are summed over rows once, at the end);
@@ -403,22 +404,56 @@ struct dense_chunk<format::f32> {
   }
 };
 
-template <format F, std::uint32_t L, std::uint32_t G>
+// Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80+). The CPU emulation
+// copies at once, which is one of the orders the real copies may complete in.
+__device__ __forceinline__ void copy_async16(void* to_shared, const void* from_global) {
+#if defined(__CUDA_ARCH__)
+  const auto to = static_cast<unsigned>(__cvta_generic_to_shared(to_shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(from_global) : "memory");
+#else
+  std::memcpy(to_shared, from_global, 16);
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+constexpr std::uint32_t kDenseStages = 3;  // steps a warp has in flight or in hand
+
+template <format F, std::uint32_t L, std::uint32_t G, std::uint32_t U>
 struct dense_shared {
-  float acc[kWarps][G][8 * L];
-  float m[kWarps][G];
-  float l[kWarps][G];
+  static constexpr std::uint32_t CH = dense_element_bytes(F) / 2;  // 16-byte pieces of a lane's 8 elements
+  union {
+    // Per warp and stage: the keys and values of one step, each lane's own pieces [u][piece][lane]
+    // (a lane reads back only what it copied: no warp barrier between copy and use).
+    uint4 stage[kWarps][kDenseStages][2][U][CH][32];
+    struct {
+      float acc[kWarps][G][8 * L];
+      float m[kWarps][G];
+      float l[kWarps][G];
+    } merge;
+  } u;
 };
 
 template <format F, std::uint32_t L, std::uint32_t G>
-__global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+__global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_params p, std::uint32_t seg, std::uint32_t split_base,
                                                          std::uint32_t total_splits, float score_scale) {
   constexpr std::uint32_t D = 8 * L;
-  constexpr std::uint32_t R = 32 / L;                       // rows per warp load
-  constexpr std::uint32_t U = F == format::f32 ? 2 : 4;     // loads of keys (and of values) per lane and step
-  constexpr std::uint32_t TS = U * R;                       // tokens per warp step
+  constexpr std::uint32_t R = 32 / L;                    // rows per warp load
+  constexpr std::uint32_t U = F == format::f32 ? 2 : 4;  // rows of keys (and of values) per lane and step
+  constexpr std::uint32_t TS = U * R;                    // tokens per warp step
   constexpr std::size_t EB = dense_element_bytes(F);
-  __shared__ dense_shared<F, L, G> sm;
+  constexpr std::uint32_t CH = dense_shared<F, L, G, U>::CH;
+  __shared__ dense_shared<F, L, G, U> sm;
   const std::uint32_t b = blockIdx.x;
   const std::uint32_t gqa = p.q_heads / p.kv_heads;
   const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
@@ -444,6 +479,54 @@ __global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::u
     return;
   }
 
+  // Token t lies in page sp.pages[t / page_tokens], slot t % page_tokens (shift and mask for a
+  // power-of-two page, the common case).
+  const std::uint32_t pt = pg.page_tokens;
+  std::uint32_t shift = 0;
+  while ((1u << shift) < pt) ++shift;
+  const bool pow2 = (1u << shift) == pt;
+  const std::byte* k_base = static_cast<const std::byte*>(pg.k) + kvh * pg.k_head_stride + 8 * c * EB;
+  const std::byte* v_base = static_cast<const std::byte*>(pg.v) + kvh * pg.v_head_stride + 8 * c * EB;
+  const std::uint32_t stride = kWarps * TS;
+  const std::uint32_t t_first = t_begin + warp * TS;  // this warp's steps: t_first + i * stride < t_end
+  // The pipeline: step i's rows are copied into stage i % kDenseStages two steps ahead of their
+  // use; the page numbers of a step are loaded one step before its copies are issued. Rows past
+  // the split clamp to its last token (copied, then masked).
+  std::uint32_t pages[U];
+  auto fetch_pages = [&](std::uint32_t i) {
+    const std::uint32_t t0 = min(t_first + i * stride, t_end - 1);
+#pragma unroll
+    for (std::uint32_t u = 0; u < U; ++u) {
+      const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
+      pages[u] = sp.pages[pow2 ? t >> shift : t / pt];
+    }
+  };
+  auto issue = [&](std::uint32_t i) {
+    const std::uint32_t t0 = t_first + i * stride;
+    if (t0 < t_end) {
+      uint4(&kst)[U][CH][32] = sm.u.stage[warp][i % kDenseStages][0];
+      uint4(&vst)[U][CH][32] = sm.u.stage[warp][i % kDenseStages][1];
+#pragma unroll
+      for (std::uint32_t u = 0; u < U; ++u) {
+        const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
+        const std::size_t slot = pow2 ? t & (pt - 1) : t % pt;
+        const std::byte* kr = k_base + pages[u] * pg.k_page_stride + slot * (D * EB);
+        const std::byte* vr = v_base + pages[u] * pg.v_page_stride + slot * (D * EB);
+#pragma unroll
+        for (std::uint32_t h = 0; h < CH; ++h) {
+          copy_async16(&kst[u][h][lane], kr + 16 * h);
+          copy_async16(&vst[u][h][lane], vr + 16 * h);
+        }
+      }
+    }
+    copy_async_commit();  // an empty group past the end keeps the count of groups uniform
+  };
+  fetch_pages(0);
+  issue(0);
+  fetch_pages(1);
+  issue(1);
+  fetch_pages(2);
+
   float q[G][8], m[G], l[G], acc[G][8];
 #pragma unroll
   for (std::uint32_t g = 0; g < G; ++g) {
@@ -456,50 +539,33 @@ __global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::u
     }
   }
 
-  // Token t lies in page sp.pages[t / page_tokens], slot t % page_tokens (shift and mask for a
-  // power-of-two page, the common case).
-  const std::uint32_t pt = pg.page_tokens;
-  std::uint32_t shift = 0;
-  while ((1u << shift) < pt) ++shift;
-  const bool pow2 = (1u << shift) == pt;
-  const std::byte* k_base = static_cast<const std::byte*>(pg.k) + kvh * pg.k_head_stride + 8 * c * EB;
-  const std::byte* v_base = static_cast<const std::byte*>(pg.v) + kvh * pg.v_head_stride + 8 * c * EB;
-  const std::uint32_t stride = kWarps * TS;
-  // Page numbers of this lane's rows for the warp's next step (tokens past the split clamp to its
-  // last token: loaded, then masked).
-  std::uint32_t next_page[U];
-  auto fetch_pages = [&](std::uint32_t t0) {
-#pragma unroll
-    for (std::uint32_t u = 0; u < U; ++u) {
-      const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
-      next_page[u] = sp.pages[pow2 ? t >> shift : t / pt];
-    }
-  };
-  fetch_pages(min(t_begin + warp * TS, t_end - 1));
-
-  for (std::uint32_t t0 = t_begin + warp * TS; t0 < t_end; t0 += stride) {
-    dense_chunk<F> kc[U], vc[U];
-#pragma unroll
-    for (std::uint32_t u = 0; u < U; ++u) {
-      const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
-      const std::size_t slot = pow2 ? t & (pt - 1) : t % pt;
-      kc[u].load(k_base + next_page[u] * pg.k_page_stride + slot * (D * EB));
-      vc[u].load(v_base + next_page[u] * pg.v_page_stride + slot * (D * EB));
-    }
-    fetch_pages(min(t0 + stride, t_end - 1));
+  std::uint32_t i = 0;
+  for (std::uint32_t t0 = t_first; t0 < t_end; t0 += stride, ++i) {
+    issue(i + 2);
+    fetch_pages(i + 3);
+    copy_async_wait<2>();  // step i's group is complete
+    const uint4(&kst)[U][CH][32] = sm.u.stage[warp][i % kDenseStages][0];
+    const uint4(&vst)[U][CH][32] = sm.u.stage[warp][i % kDenseStages][1];
 
     float s[U][G];
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
+      dense_chunk<F> kc;
+      if constexpr (CH == 1) {
+        kc.raw = kst[u][0][lane];
+      } else {
+        kc.raw[0] = kst[u][0][lane];
+        kc.raw[1] = kst[u][1][lane];
+      }
       float x[8];
-      kc[u].to_float(x);
+      kc.to_float(x);
 #pragma unroll
       for (std::uint32_t g = 0; g < G; ++g) {
         float a = q[g][0] * x[0], bb = q[g][1] * x[1];
 #pragma unroll
-        for (std::uint32_t i = 2; i < 8; i += 2) {
-          a = fmaf(q[g][i], x[i], a);
-          bb = fmaf(q[g][i + 1], x[i + 1], bb);
+        for (std::uint32_t e = 2; e < 8; e += 2) {
+          a = fmaf(q[g][e], x[e], a);
+          bb = fmaf(q[g][e + 1], x[e + 1], bb);
         }
         s[u][g] = a + bb;
       }
@@ -535,18 +601,26 @@ __global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::u
       l[g] = l[g] * alpha + sum;  // this row's share; rows are summed at the end
       m[g] = m_new;
 #pragma unroll
-      for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] *= alpha;
+      for (std::uint32_t e = 0; e < 8; ++e) acc[g][e] *= alpha;
     }
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
+      dense_chunk<F> vc;
+      if constexpr (CH == 1) {
+        vc.raw = vst[u][0][lane];
+      } else {
+        vc.raw[0] = vst[u][0][lane];
+        vc.raw[1] = vst[u][1][lane];
+      }
       float x[8];
-      vc[u].to_float(x);
+      vc.to_float(x);
 #pragma unroll
       for (std::uint32_t g = 0; g < G; ++g)
 #pragma unroll
-        for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] = fmaf(s[u][g], x[i], acc[g][i]);
+        for (std::uint32_t e = 0; e < 8; ++e) acc[g][e] = fmaf(s[u][g], x[e], acc[g][e]);
     }
   }
+  copy_async_wait<0>();  // (only empty groups are left: nothing writes the stages any more)
 
   // Sum the rows' shares (lanes of the same chunk), then merge the warps in shared memory.
 #pragma unroll
@@ -555,31 +629,32 @@ __global__ void __launch_bounds__(kThreads) attend_dense(attend_params p, std::u
     for (std::uint32_t g = 0; g < G; ++g) {
       l[g] += __shfl_xor_sync(0xffffffffu, l[g], static_cast<int>(o));
 #pragma unroll
-      for (std::uint32_t i = 0; i < 8; ++i) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], static_cast<int>(o));
+      for (std::uint32_t e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], static_cast<int>(o));
     }
+  __syncthreads();  // every warp is done with the stages (the merge area shares their memory)
   if (r == 0)
 #pragma unroll
     for (std::uint32_t g = 0; g < G; ++g)
 #pragma unroll
-      for (std::uint32_t i = 0; i < 8; ++i) sm.acc[warp][g][8 * c + i] = acc[g][i];
+      for (std::uint32_t e = 0; e < 8; ++e) sm.u.merge.acc[warp][g][8 * c + e] = acc[g][e];
   if (lane == 0)
 #pragma unroll
     for (std::uint32_t g = 0; g < G; ++g) {
-      sm.m[warp][g] = m[g];
-      sm.l[warp][g] = l[g];
+      sm.u.merge.m[warp][g] = m[g];
+      sm.u.merge.l[warp][g] = l[g];
     }
   __syncthreads();
-  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
-    const std::uint32_t g = i / D, d = i % D;
+  for (std::uint32_t e = threadIdx.x; e < ng * D; e += blockDim.x) {
+    const std::uint32_t g = e / D, d = e % D;
     float mx = -INFINITY;
     for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
+      if (sm.u.merge.l[w][g] > 0.0f) mx = fmaxf(mx, sm.u.merge.m[w][g]);
     float sum = 0.0f, a = 0.0f;
     for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) {
-        const float f = exp2f(sm.m[w][g] - mx);
-        sum += sm.l[w][g] * f;
-        a += sm.acc[w][g][d] * f;
+      if (sm.u.merge.l[w][g] > 0.0f) {
+        const float f = exp2f(sm.u.merge.m[w][g] - mx);
+        sum += sm.u.merge.l[w][g] * f;
+        a += sm.u.merge.acc[w][g][d] * f;
       }
     float* st = out.at(qh0 + g, split_base + split);
     if (d == 0) {
@@ -621,7 +696,7 @@ struct q4_shared {
 };
 
 template <std::uint32_t B, std::uint32_t G>
-__global__ void __launch_bounds__(kThreads) attend_q4(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+__global__ void __launch_bounds__(kThreads, B * G <= 8 && B <= 4 ? 4 : B * G <= 16 ? 3 : 2) attend_q4(attend_params p, std::uint32_t seg, std::uint32_t split_base,
                                                       std::uint32_t total_splits, float score_scale) {
   constexpr std::uint32_t D = 32 * B;
   constexpr std::uint32_t KW = D / 8;  // key code words per lane
