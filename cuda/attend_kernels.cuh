@@ -37,7 +37,7 @@ namespace {
 
 constexpr std::uint32_t kWarps = 4;
 constexpr std::uint32_t kThreads = kWarps * 32;
-constexpr std::uint32_t kMaxG = 8;                       // query heads per block
+constexpr std::uint32_t kMaxG = 8;                       // query heads per block (cuda_auto_split_tokens counts groups of 8)
 constexpr std::uint32_t kMaxJ = cuda_max_head_dim / 32;  // channels per lane
 constexpr float kLog2e = 1.4426950408889634f;
 

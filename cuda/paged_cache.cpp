@@ -693,15 +693,16 @@ result<void> paged_cache<cuda>::mark_batch_written() { return detail::mark_batch
 result<void> paged_cache<cuda>::attend(std::uint32_t layer, const attention_params& ap, const float* q, float* out,
                                        device_buffer& workspace, const cuda_attend_options& opt) {
   impl& m = *impl_;
-  const result<std::uint32_t> splits =
+  const result<detail::split_plan> splits =
       detail::attend_splits(m, layer, ap, opt, std::max<std::size_t>(1, opt.max_tokens != 0 ? opt.max_tokens : m.prepared_longest));
   KVCACHE_TRY(splits);
   attend_params p;
   p.pages[0] = m.pool->pages(layer);
   p.tables[0] = detail::batch_table(m);
   p.segments = 1;
-  p.max_splits[0] = splits.value();
-  return detail::launch_attend(m, p, ap, q, out, workspace, opt);
+  p.split_tokens = splits->tokens;
+  p.max_splits[0] = splits->count;
+  return detail::launch_attend(m, p, ap, q, out, workspace);
 }
 
 result<device_pages> paged_cache<cuda>::pages(std::uint32_t layer) const {

@@ -185,34 +185,51 @@ result<void> mark_batch_written(Impl& m) {
   return {};
 }
 
-/// attend(), first step: the checks of the call and the number of splits per sequence for
-/// `cover` tokens (the longest a sequence of the batch may have).
+/// Tokens per split and splits per sequence of an attend() launch.
+struct split_plan {
+  std::uint32_t tokens;  // split_tokens
+  std::uint32_t count;   // max_splits (per segment)
+};
+
+/// attend(), first step: the checks of the call, and the split for `cover` tokens (the longest
+/// a sequence of the batch may have).
 template <class Impl>
-result<std::uint32_t> attend_splits(const Impl& m, std::uint32_t layer, const attention_params& ap,
-                                    const cuda_attend_options& opt, std::size_t cover) {
+result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const attention_params& ap,
+                                 const cuda_attend_options& opt, std::size_t cover) {
   const geometry& g = m.shape();
   if (layer >= g.layers) return fail(errc::layer_out_of_range, "attend: layer", {{"layer", layer}, {"layers", g.layers}});
   KVCACHE_TRY(check_fresh(m, "attend"));
   if (ap.kv_heads != g.kv_heads || ap.head_dim != g.head_dim)
     return fail(errc::bad_shape, "attend: attention_params do not match the cache geometry",
                 {{"kv_heads", ap.kv_heads}, {"cache_kv_heads", g.kv_heads}, {"head_dim", ap.head_dim}, {"cache_head_dim", g.head_dim}});
-  if (opt.split_tokens == 0 || opt.split_tokens % 32 != 0)
-    return fail(errc::invalid_argument, "attend: split_tokens must be a positive multiple of 32", {{"split_tokens", opt.split_tokens}});
+  if (opt.split_tokens % 32 != 0)
+    return fail(errc::invalid_argument, "attend: split_tokens must be 0 (automatic) or a multiple of 32",
+                {{"split_tokens", opt.split_tokens}});
   if (cover < m.prepared_longest)
     return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
                 {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
-  const std::size_t splits = (cover + opt.split_tokens - 1) / opt.split_tokens;
+  std::uint32_t tokens = opt.split_tokens;
+  if (tokens == 0) {
+    int sms = 0;
+    {
+      KVCACHE_CUDA_DEVICE(m.where, "attend: cudaSetDevice");
+      KVCACHE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, m.where.device),
+                       "attend: cudaDeviceGetAttribute(multiProcessorCount)");
+    }
+    tokens = cuda_auto_split_tokens(cover, m.batch_slots.size(), g.kv_heads, ap.q_heads, sms);
+  }
+  const std::size_t splits = (cover + tokens - 1) / tokens;
   if (splits > 65535)
     return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
-                {{"splits", static_cast<long long>(splits)}, {"split_tokens", opt.split_tokens}});
-  return static_cast<std::uint32_t>(splits);
+                {{"splits", static_cast<long long>(splits)}, {"split_tokens", tokens}});
+  return split_plan{tokens, static_cast<std::uint32_t>(splits)};
 }
 
-/// attend(), last step: p (pages, tables, segments and max_splits set by the cache) completed
+/// attend(), last step: p (pages, tables, segments, split_tokens and max_splits set by the cache) completed
 /// with the batch, the call's arguments and a workspace grown as needed, then launched.
 template <class Impl>
 result<void> launch_attend(const Impl& m, attend_params& p, const attention_params& ap, const float* q, float* out,
-                           device_buffer& workspace, const cuda_attend_options& opt) {
+                           device_buffer& workspace) {
   p.batch = static_cast<std::uint32_t>(m.batch_slots.size());
   p.q_heads = ap.q_heads;
   p.kv_heads = m.shape().kv_heads;
@@ -220,7 +237,6 @@ result<void> launch_attend(const Impl& m, attend_params& p, const attention_para
   p.q = q;
   p.out = out;
   p.scale = ap.scale;
-  p.split_tokens = opt.split_tokens;
   const std::size_t need = cuda_attend_workspace_bytes(p);
   if (need > 0 && workspace.size() < need) {
     result<device_buffer> grown = device_buffer::make(m.where, need);

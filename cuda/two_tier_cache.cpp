@@ -520,7 +520,7 @@ result<void> two_tier_cache<cuda>::mark_batch_written() { return detail::mark_ba
 result<void> two_tier_cache<cuda>::attend(std::uint32_t layer, const attention_params& ap, const float* q, float* out,
                                           device_buffer& workspace, const cuda_attend_options& opt) {
   impl& m = *impl_;
-  const result<std::uint32_t> splits =
+  const result<detail::split_plan> splits =
       detail::attend_splits(m, layer, ap, opt, opt.max_tokens != 0 ? opt.max_tokens : m.cfg.max_tokens);
   KVCACHE_TRY(splits);
   // Two segments merged in one pass: the store's groups, then the tail's pages (the batch table).
@@ -531,8 +531,9 @@ result<void> two_tier_cache<cuda>::attend(std::uint32_t layer, const attention_p
   p.pages[1] = m.tail_pages_of(layer);
   p.tables[1] = detail::batch_table(m);
   p.segments = 2;
-  p.max_splits[0] = p.max_splits[1] = splits.value();
-  return detail::launch_attend(m, p, ap, q, out, workspace, opt);
+  p.split_tokens = splits->tokens;
+  p.max_splits[0] = p.max_splits[1] = splits->count;
+  return detail::launch_attend(m, p, ap, q, out, workspace);
 }
 
 }  // namespace kvcache

@@ -232,7 +232,8 @@ void BM_cuda_append(benchmark::State& state) {
 }
 
 // range(0): tokens per sequence; range(1): batch; range(2): 0 contiguous f16, 1 paged f16
-// (16-token pages), 2 q4 (32-token pages, read in place); range(3): split_tokens (tokens per block).
+// (16-token pages), 2 q4 (32-token pages, read in place); range(3): split_tokens (tokens per block),
+// 0 for the caches' automatic choice (cuda_auto_split_tokens; the counter `split` shows it).
 void BM_cuda_attend(benchmark::State& state) {
   paged_fixture f;
   f.tokens = static_cast<std::uint32_t>(state.range(0));
@@ -253,6 +254,12 @@ void BM_cuda_attend(benchmark::State& state) {
   p.kv_heads = f.kv_heads;
   p.head_dim = f.head_dim;
   p.split_tokens = static_cast<std::uint32_t>(state.range(3));
+  if (p.split_tokens == 0) {  // the caches' default: cuda_auto_split_tokens for this device
+    int sms = 0;
+    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    p.split_tokens = kvcache::cuda_auto_split_tokens(f.tokens, f.seqs, f.kv_heads, q_heads, sms);
+  }
+  state.counters["split"] = p.split_tokens;
   p.max_splits[0] = (f.tokens + p.split_tokens - 1) / p.split_tokens;
   const std::size_t qn = static_cast<std::size_t>(f.seqs) * q_heads * f.head_dim;
   p.q = static_cast<const float*>(device_alloc(qn * 4));
@@ -279,7 +286,7 @@ BENCHMARK(BM_cuda_memcpy_d2d)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
 BENCHMARK(BM_cuda_append)->ArgNames({"paged", "src_f16"})->ArgsProduct({{0, 1}, {0, 1}})->UseManualTime();
 BENCHMARK(BM_cuda_attend)
     ->ArgNames({"tokens", "batch", "kind", "split"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {128, 256, 512, 1024}})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {0, 128, 256, 512, 1024}})
     ->UseManualTime();
 
 int main(int argc, char** argv) {

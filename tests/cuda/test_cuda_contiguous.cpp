@@ -244,7 +244,7 @@ TEST(cuda_contiguous, batch_decode_matches_reference_eager_and_in_a_graph) {
   ap.q_heads = q_heads;
   ap.kv_heads = g.kv_heads;
   ap.head_dim = g.head_dim;
-  const kvcache::cuda_attend_options opt{64};
+  const kvcache::cuda_attend_options opt{};  // the automatic split, also in the captured graph
 
   auto enqueue_step = [&]() -> kvcache::result<void> {
     for (std::uint32_t l = 0; l < g.layers; ++l) {

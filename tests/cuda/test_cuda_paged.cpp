@@ -229,7 +229,8 @@ TEST(cuda_paged, batch_decode_matches_reference) {
       KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_v->data(), v.data(), v.size() * 4));
       KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_q->data(), q.data(), q.size() * 4));
       KVCACHE_ASSERT_OK(c->write_batch(l, d_k->data(), d_v->data()));
-      KVCACHE_ASSERT_OK(c->attend(l, ap, d_q->data(), d_out->data(), ws, {32, 0}));
+      // Layer 1: the automatic split (split_tokens 0).
+      KVCACHE_ASSERT_OK(c->attend(l, ap, d_q->data(), d_out->data(), ws, {l == 0 ? 32u : 0u, 0}));
       auto out = download(where, d_out->data(), q_count);
       KVCACHE_ASSERT_OK(out);
       double worst = 0.0;

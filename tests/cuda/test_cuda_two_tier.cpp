@@ -219,7 +219,8 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_v->data(), v.data(), v.size() * 4));
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_q->data(), q.data(), q.size() * 4));
     KVCACHE_ASSERT_OK(c->write_batch(0, d_k->data(), d_v->data()));
-    KVCACHE_ASSERT_OK(c->attend(0, ap, d_q->data(), d_out->data(), ws, {64, 0}));
+    // Odd steps: the automatic split (cuda_attend_options{} : split_tokens 0).
+    KVCACHE_ASSERT_OK(c->attend(0, ap, d_q->data(), d_out->data(), ws, {step % 2 == 0 ? 64u : 0u, 0}));
     auto out = download(where, d_out->data(), q_count);
     KVCACHE_ASSERT_OK(out);
     double worst = 0.0;
@@ -263,6 +264,7 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
   const kvcache::result<void> bad_split = c->attend(0, ap, d_q->data(), d_out->data(), ws, {48, 0});
   ASSERT_FALSE(bad_split.has_value());
   EXPECT_EQ(bad_split.error().code, errc::invalid_argument) << bad_split.error().message;
+  EXPECT_NE(bad_split.error().message.find("split_tokens"), std::string::npos) << bad_split.error().message;
   const kvcache::result<void> bad_layer = c->attend(g.layers, ap, d_q->data(), d_out->data(), ws, {64, 0});
   ASSERT_FALSE(bad_layer.has_value());
   EXPECT_EQ(bad_layer.error().code, errc::layer_out_of_range) << bad_layer.error().message;

@@ -211,4 +211,29 @@ TEST(cuda_validation, migrate_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.dst.k = static_cast<char*>(fake(4)) + 1; }), "misaligned q4 keys");
 }
 
+// The automatic split of the caches' attend(): the largest of 1024 ... 32 tokens that still gives
+// every multiprocessor a block (groups of 8 query heads count as blocks too).
+TEST(cuda_validation, automatic_split_fills_the_multiprocessors) {
+  using kvcache::cuda_auto_split_tokens;
+  // 8 sequences x 8 kv heads x 32 splits of 1024 tokens: 2048 blocks.
+  EXPECT_EQ(cuda_auto_split_tokens(32768, 8, 8, 32, 132), 1024u);
+  // 1 x 8 x 32 = 256 blocks >= 132 at 1024; 4096 tokens: 1024 -> 32 blocks ... 128 -> 256.
+  EXPECT_EQ(cuda_auto_split_tokens(32768, 1, 8, 32, 132), 1024u);
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 1, 8, 32, 132), 128u);
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 8, 8, 32, 132), 1024u);
+  // Exactly one block per multiprocessor is enough: 1 x 8 x ceil(4096 / 256) = 128 blocks.
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 1, 8, 32, 128), 256u);
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 1, 8, 32, 129), 128u);
+  // gqa 12 runs in two groups of query heads: twice the blocks of gqa 8.
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 1, 8, 96, 132), 256u);
+  EXPECT_EQ(cuda_auto_split_tokens(4096, 1, 8, 64, 132), 128u);
+  // Short sequences or a huge device: never below 32 tokens; an empty cover: 32.
+  EXPECT_EQ(cuda_auto_split_tokens(40, 1, 1, 1, 132), 32u);
+  EXPECT_EQ(cuda_auto_split_tokens(0, 4, 8, 32, 132), 32u);
+  // A small device (or none reported): the largest split.
+  EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 1), 1024u);
+  EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 0), 1024u);
+  EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, -5), 1024u);
+}
+
 }  // namespace

@@ -41,8 +41,12 @@ namespace kvcache {
 
 /// Options of the device decode attention of a cuda cache.
 struct cuda_attend_options {
-  /// Tokens per flash-decoding split (a multiple of 32).
-  std::uint32_t split_tokens = 512;
+  /// Tokens per flash-decoding split (a multiple of 32), or 0: chosen per call, the largest of
+  /// 1024, 512, ..., 32 whose grid (sequences x kv heads x groups of 8 query heads x splits of
+  /// max_tokens) still has a block for every multiprocessor of the device (fewer blocks leave it
+  /// idle; smaller splits add per-block work). For a CUDA graph it depends only on the batch
+  /// size, the heads and max_tokens, which a captured graph keeps fixed anyway.
+  std::uint32_t split_tokens = 0;
   /// Longest sequence the launch covers: splits per sequence = ceil(max_tokens / split_tokens).
   /// 0: the cache's capacity_tokens for a contiguous cache, the longest sequence of the prepared
   /// batch for a paged cache. A CUDA graph captured with a fixed value stays valid while every

@@ -108,6 +108,22 @@ struct attend_params {
   float* workspace = nullptr;  ///< device, at least cuda_attend_workspace_bytes(*this) bytes
 };
 
+/// A split for attend_params::split_tokens: the largest of 1024, 512, ..., 32 tokens whose grid
+/// (batch x kv_heads x groups of 8 query heads x splits of `cover` tokens, `cover` the longest
+/// sequence) still has a block for each of the device's `multiprocessors` (fewer blocks leave
+/// multiprocessors idle; smaller splits add per-block work and partial states to merge). The
+/// caches' attend() uses it when cuda_attend_options::split_tokens is 0 (the default).
+[[nodiscard]] constexpr std::uint32_t cuda_auto_split_tokens(std::size_t cover, std::size_t batch, std::size_t kv_heads,
+                                                             std::size_t q_heads, int multiprocessors) noexcept {
+  const std::size_t gqa = kv_heads == 0 ? 0 : q_heads / kv_heads;
+  const std::size_t heads = kv_heads * ((gqa + 7) / 8);
+  std::uint32_t split = 1024;
+  for (; split > 32; split /= 2)
+    if (batch * heads * ((cover + split - 1) / split) >= static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors))
+      break;
+  return split;
+}
+
 /// Workspace bytes attend needs: batch * q_heads * (max_splits[0] + max_splits[1]) partial states.
 [[nodiscard]] std::size_t cuda_attend_workspace_bytes(const attend_params& p) noexcept;
 
