@@ -115,6 +115,68 @@ struct partial_state_ref {
   }
 };
 
+/// What a block of a partial-attention kernel works on: sequence b, kv head kvh, query heads qh0
+/// .. qh0 + ng - 1 (at most max_g of one group of kMaxG), tokens [t_begin, t_end) of the segment,
+/// and where its partial states go (split `split_index` among all segments' splits).
+struct block_work {
+  std::uint32_t b, kvh, ng, qh0, split_index, t_begin, t_end;
+  seq_pages sp;
+  partial_state_ref out;
+};
+__device__ __forceinline__ block_work work_of(const attend_params& p, std::uint32_t seg, std::uint32_t split_base,
+                                              std::uint32_t total_splits, std::uint32_t max_g, std::uint32_t page_tokens) {
+  const std::uint32_t gqa = p.q_heads / p.kv_heads;
+  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
+  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
+  block_work w;
+  w.b = blockIdx.x;
+  w.kvh = blockIdx.y / groups;
+  w.ng = min(max_g, gqa - g0);
+  w.qh0 = w.kvh * gqa + g0;
+  w.split_index = split_base + blockIdx.z;
+  w.sp = pages_of(p.tables[seg], page_tokens, w.b);
+  w.t_begin = blockIdx.z * p.split_tokens;
+  w.t_end = min(w.sp.tokens, w.t_begin + p.split_tokens);
+  w.out = {p.workspace + static_cast<std::size_t>(w.b) * p.q_heads * total_splits * (2 + p.head_dim), total_splits,
+           p.head_dim};
+  return w;
+}
+/// An empty split (no token of the sequence): writes the states the merge skips and says so.
+__device__ __forceinline__ bool empty_split(const block_work& w) {
+  if (w.t_begin < w.t_end) return false;
+  for (std::uint32_t g = threadIdx.x; g < w.ng; g += blockDim.x) {
+    float* st = w.out.at(w.qh0 + g, w.split_index);
+    st[0] = -INFINITY;
+    st[1] = 0.0f;
+  }
+  return true;
+}
+/// The block's partial state of each of its query heads: the warps' states merged. m and l are
+/// [kWarps][gs], acc [kWarps][gs][ds] (unnormalized outputs) in shared memory, published by a
+/// __syncthreads; a warp with l = 0 saw no token.
+__device__ __forceinline__ void write_block_state(const block_work& w, std::uint32_t D, const float* m, const float* l,
+                                                  std::uint32_t gs, const float* acc, std::uint32_t ds) {
+  for (std::uint32_t i = threadIdx.x; i < w.ng * D; i += blockDim.x) {
+    const std::uint32_t g = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (std::uint32_t k = 0; k < kWarps; ++k)
+      if (l[k * gs + g] > 0.0f) mx = fmaxf(mx, m[k * gs + g]);
+    float sum = 0.0f, a = 0.0f;
+    for (std::uint32_t k = 0; k < kWarps; ++k)
+      if (l[k * gs + g] > 0.0f) {
+        const float f = exp2f(m[k * gs + g] - mx);
+        sum += l[k * gs + g] * f;
+        a += acc[(k * gs + g) * ds + d] * f;
+      }
+    float* st = w.out.at(w.qh0 + g, w.split_index);
+    if (d == 0) {
+      st[0] = mx;
+      st[1] = sum;
+    }
+    st[2 + d] = a;
+  }
+}
+
 struct shared_storage {
   float q[kMaxG][cuda_max_head_dim];                    // [g][d] query rows
   union {
@@ -129,31 +191,13 @@ template <format KF, format VF>
 __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std::uint32_t seg, std::uint32_t split_base,
                                                            std::uint32_t total_splits, float score_scale) {
   __shared__ shared_storage sm;
-  const std::uint32_t b = blockIdx.x;
-  const std::uint32_t gqa = p.q_heads / p.kv_heads;
-  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
-  const std::uint32_t kvh = blockIdx.y / groups;
-  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
-  const std::uint32_t ng = min(kMaxG, gqa - g0);
-  const std::uint32_t qh0 = kvh * gqa + g0;
-  const std::uint32_t split = blockIdx.z;
   const std::uint32_t D = p.head_dim;
   const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const device_pages& pg = p.pages[seg];
-  const seq_pages sp = pages_of(p.tables[seg], pg.page_tokens, b);
-  const std::uint32_t t_begin = split * p.split_tokens;
-  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
-  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
-                              total_splits, D};
-
-  if (t_begin >= t_end) {  // empty split: a state the merge skips
-    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
-      float* st = out.at(qh0 + g, split_base + split);
-      st[0] = -INFINITY;
-      st[1] = 0.0f;
-    }
-    return;
-  }
+  const block_work bw = work_of(p, seg, split_base, total_splits, kMaxG, pg.page_tokens);
+  if (empty_split(bw)) return;
+  const std::uint32_t b = bw.b, kvh = bw.kvh, ng = bw.ng, qh0 = bw.qh0, t_begin = bw.t_begin, t_end = bw.t_end;
+  const seq_pages sp = bw.sp;
 
   for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
     const std::uint32_t g = i / D, d = i % D;
@@ -305,25 +349,7 @@ __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std:
       }
     }
   __syncthreads();
-  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
-    const std::uint32_t g = i / D, d = i % D;
-    float mx = -INFINITY;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
-    float sum = 0.0f, a = 0.0f;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) {
-        const float f = exp2f(sm.m[w][g] - mx);
-        sum += sm.l[w][g] * f;
-        a += sm.u.acc[w][g][d] * f;
-      }
-    float* st = out.at(qh0 + g, split_base + split);
-    if (d == 0) {
-      st[0] = mx;
-      st[1] = sum;
-    }
-    st[2 + d] = a;
-  }
+  write_block_state(bw, D, &sm.m[0][0], &sm.l[0][0], kMaxG, &sm.u.acc[0][0][0], cuda_max_head_dim);
 }
 
 // One block per (sequence, query head): combines every split's partial state.
@@ -454,30 +480,13 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
   constexpr std::size_t EB = dense_element_bytes(F);
   constexpr std::uint32_t CH = dense_shared<F, L, G, U>::CH;
   __shared__ dense_shared<F, L, G, U> sm;
-  const std::uint32_t b = blockIdx.x;
-  const std::uint32_t gqa = p.q_heads / p.kv_heads;
-  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
-  const std::uint32_t kvh = blockIdx.y / groups;
-  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
-  const std::uint32_t ng = min(G, gqa - g0);
-  const std::uint32_t qh0 = kvh * gqa + g0;
-  const std::uint32_t split = blockIdx.z;
   const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t r = lane / L, c = lane % L;  // row of the warp load, 8-channel chunk
   const device_pages& pg = p.pages[seg];
-  const seq_pages sp = pages_of(p.tables[seg], pg.page_tokens, b);
-  const std::uint32_t t_begin = split * p.split_tokens;
-  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
-  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
-                              total_splits, D};
-  if (t_begin >= t_end) {  // empty split: a state the merge skips
-    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
-      float* st = out.at(qh0 + g, split_base + split);
-      st[0] = -INFINITY;
-      st[1] = 0.0f;
-    }
-    return;
-  }
+  const block_work bw = work_of(p, seg, split_base, total_splits, G, pg.page_tokens);
+  if (empty_split(bw)) return;
+  const std::uint32_t b = bw.b, kvh = bw.kvh, ng = bw.ng, qh0 = bw.qh0, t_begin = bw.t_begin, t_end = bw.t_end;
+  const seq_pages sp = bw.sp;
 
   // Token t lies in page sp.pages[t / page_tokens], slot t % page_tokens (shift and mask for a
   // power-of-two page, the common case).
@@ -644,25 +653,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
       sm.u.merge.l[warp][g] = l[g];
     }
   __syncthreads();
-  for (std::uint32_t e = threadIdx.x; e < ng * D; e += blockDim.x) {
-    const std::uint32_t g = e / D, d = e % D;
-    float mx = -INFINITY;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.u.merge.l[w][g] > 0.0f) mx = fmaxf(mx, sm.u.merge.m[w][g]);
-    float sum = 0.0f, a = 0.0f;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.u.merge.l[w][g] > 0.0f) {
-        const float f = exp2f(sm.u.merge.m[w][g] - mx);
-        sum += sm.u.merge.l[w][g] * f;
-        a += sm.u.merge.acc[w][g][d] * f;
-      }
-    float* st = out.at(qh0 + g, split_base + split);
-    if (d == 0) {
-      st[0] = mx;
-      st[1] = sum;
-    }
-    st[2 + d] = a;
-  }
+  write_block_state(bw, D, &sm.u.merge.m[0][0], &sm.u.merge.l[0][0], G, &sm.u.merge.acc[0][0][0], D);
 }
 
 // ---- Q4 fast path: Q4 keys and values, head_dim 64, 128 or 256 (B = head_dim / 32 columns) ----
@@ -701,30 +692,14 @@ __global__ void __launch_bounds__(kThreads, B * G <= 8 && B <= 4 ? 4 : B * G <= 
   constexpr std::uint32_t D = 32 * B;
   constexpr std::uint32_t KW = D / 8;  // key code words per lane
   __shared__ q4_shared<B, G> sm;
-  const std::uint32_t b = blockIdx.x;
-  const std::uint32_t gqa = p.q_heads / p.kv_heads;
-  const std::uint32_t groups = (gqa + kMaxG - 1) / kMaxG;
-  const std::uint32_t kvh = blockIdx.y / groups;
-  const std::uint32_t g0 = (blockIdx.y % groups) * kMaxG;
-  const std::uint32_t ng = min(G, gqa - g0);
-  const std::uint32_t qh0 = kvh * gqa + g0;
-  const std::uint32_t split = blockIdx.z;
   const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t x = lane % 16, h = lane / 16;
   const device_pages& pg = p.pages[seg];
-  const seq_pages sp = pages_of(p.tables[seg], q4_group, b);
-  const std::uint32_t t_begin = split * p.split_tokens;  // a multiple of 32: pages start tiles
-  const std::uint32_t t_end = min(sp.tokens, t_begin + p.split_tokens);
-  const partial_state_ref out{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
-                              total_splits, D};
-  if (t_begin >= t_end) {  // empty split: a state the merge skips
-    for (std::uint32_t g = threadIdx.x; g < ng; g += blockDim.x) {
-      float* st = out.at(qh0 + g, split_base + split);
-      st[0] = -INFINITY;
-      st[1] = 0.0f;
-    }
-    return;
-  }
+  const block_work bw = work_of(p, seg, split_base, total_splits, G, q4_group);
+  if (empty_split(bw)) return;
+  // t_begin is a multiple of 32 (split_tokens is): pages start warp steps.
+  const std::uint32_t b = bw.b, kvh = bw.kvh, ng = bw.ng, qh0 = bw.qh0, t_begin = bw.t_begin, t_end = bw.t_end;
+  const seq_pages sp = bw.sp;
   for (std::uint32_t i = threadIdx.x; i < G * D; i += blockDim.x) {
     const std::uint32_t g = i / D, d = i % D;
     sm.q[g][d] = g < ng ? p.q[(static_cast<std::size_t>(b) * p.q_heads + qh0 + g) * D + d] * score_scale : 0.0f;
@@ -889,25 +864,7 @@ __global__ void __launch_bounds__(kThreads, B * G <= 8 && B <= 4 ? 4 : B * G <= 
       sm.l[warp][g] = l[g];
     }
   __syncthreads();
-  for (std::uint32_t i = threadIdx.x; i < ng * D; i += blockDim.x) {
-    const std::uint32_t g = i / D, d = i % D;
-    float mx = -INFINITY;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) mx = fmaxf(mx, sm.m[w][g]);
-    float sum = 0.0f, a = 0.0f;
-    for (std::uint32_t w = 0; w < kWarps; ++w)
-      if (sm.l[w][g] > 0.0f) {
-        const float f = exp2f(sm.m[w][g] - mx);
-        sum += sm.l[w][g] * f;
-        a += sm.u.acc[w][g][d] * f;
-      }
-    float* st = out.at(qh0 + g, split_base + split);
-    if (d == 0) {
-      st[0] = mx;
-      st[1] = sum;
-    }
-    st[2 + d] = a;
-  }
+  write_block_state(bw, D, &sm.m[0][0], &sm.l[0][0], G, &sm.u.acc[0][0][0], D);
 }
 
 using partial_fn = void (*)(attend_params, std::uint32_t, std::uint32_t, std::uint32_t, float);
