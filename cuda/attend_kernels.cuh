@@ -394,7 +394,7 @@ __global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
 // never written. The warps' states merge in shared memory into the same partial state as
 // attend_partial's, for attend_merge.
 template <format F>
-struct dense_chunk;  // 8 consecutive elements of a row, 16-byte aligned
+struct dense_chunk;  // 8 consecutive elements of a row (16 or 32 bytes), as staged by a lane
 // (Words are converted through intrinsics, not reinterpreted as halves or floats: the CPU
 // emulation compiles this with the host compiler's strict aliasing.)
 __device__ __forceinline__ float low_half(unsigned w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))); }
@@ -402,7 +402,8 @@ __device__ __forceinline__ float high_half(unsigned w) { return __half2float(__u
 template <>
 struct dense_chunk<format::f16> {
   uint4 raw;
-  __device__ __forceinline__ void load(const std::byte* at) { raw = *reinterpret_cast<const uint4*>(at); }
+  /// From a warp's staged pieces [piece][lane] (one 16-byte piece per lane).
+  __device__ __forceinline__ void from(const uint4 (&pieces)[1][32], std::uint32_t lane) { raw = pieces[0][lane]; }
   __device__ __forceinline__ void to_float(float (&x)[8]) const {
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -415,9 +416,9 @@ struct dense_chunk<format::f16> {
 template <>
 struct dense_chunk<format::f32> {
   uint4 raw[2];
-  __device__ __forceinline__ void load(const std::byte* at) {
-    raw[0] = reinterpret_cast<const uint4*>(at)[0];
-    raw[1] = reinterpret_cast<const uint4*>(at)[1];
+  __device__ __forceinline__ void from(const uint4 (&pieces)[2][32], std::uint32_t lane) {
+    raw[0] = pieces[0][lane];
+    raw[1] = pieces[1][lane];
   }
   __device__ __forceinline__ void to_float(float (&x)[8]) const {
 #pragma unroll
@@ -560,12 +561,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
       dense_chunk<F> kc;
-      if constexpr (CH == 1) {
-        kc.raw = kst[u][0][lane];
-      } else {
-        kc.raw[0] = kst[u][0][lane];
-        kc.raw[1] = kst[u][1][lane];
-      }
+      kc.from(kst[u], lane);
       float x[8];
       kc.to_float(x);
 #pragma unroll
@@ -615,12 +611,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
       dense_chunk<F> vc;
-      if constexpr (CH == 1) {
-        vc.raw = vst[u][0][lane];
-      } else {
-        vc.raw[0] = vst[u][0][lane];
-        vc.raw[1] = vst[u][1][lane];
-      }
+      vc.from(vst[u], lane);
       float x[8];
       vc.to_float(x);
 #pragma unroll
