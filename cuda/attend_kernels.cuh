@@ -393,43 +393,27 @@ __global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
 // Query heads past the group (G rounds gqa up to a power of two) run with a zero query and are
 // never written. The warps' states merge in shared memory into the same partial state as
 // attend_partial's, for attend_merge.
-template <format F>
-struct dense_chunk;  // 8 consecutive elements of a row (16 or 32 bytes), as staged by a lane
-// (Words are converted through intrinsics, not reinterpreted as halves or floats: the CPU
-// emulation compiles this with the host compiler's strict aliasing.)
-__device__ __forceinline__ float low_half(unsigned w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))); }
-__device__ __forceinline__ float high_half(unsigned w) { return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))); }
-template <>
-struct dense_chunk<format::f16> {
-  uint4 raw;
-  /// From a warp's staged pieces [piece][lane] (one 16-byte piece per lane).
-  __device__ __forceinline__ void from(const uint4 (&pieces)[1][32], std::uint32_t lane) { raw = pieces[0][lane]; }
-  __device__ __forceinline__ void to_float(float (&x)[8]) const {
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+/// The 8 elements (f16 or f32) of a row that `lane` staged as its 16-byte pieces [piece][lane],
+/// as floats. (Words go through intrinsics, not reinterpreted as halves or floats: the CPU
+/// emulation compiles this with the host compiler's strict aliasing.)
+template <format F, std::size_t CH>
+__device__ __forceinline__ void staged_floats(const uint4 (&pieces)[CH][32], std::uint32_t lane, float (&x)[8]) {
+  static_assert(CH * 16 == 8 * dense_element_bytes(F));
+#pragma unroll
+  for (std::size_t h = 0; h < CH; ++h) {
+    const uint4 v = pieces[h][lane];
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[2 * i] = low_half(w[i]);
-      x[2 * i + 1] = high_half(w[i]);
+      if constexpr (F == format::f16) {
+        x[8 * h + 2 * i] = half_bits_to_float(static_cast<std::uint16_t>(w[i] & 0xffffu));
+        x[8 * h + 2 * i + 1] = half_bits_to_float(static_cast<std::uint16_t>(w[i] >> 16));
+      } else {
+        x[4 * h + i] = __uint_as_float(w[i]);
+      }
     }
   }
-};
-template <>
-struct dense_chunk<format::f32> {
-  uint4 raw[2];
-  __device__ __forceinline__ void from(const uint4 (&pieces)[2][32], std::uint32_t lane) {
-    raw[0] = pieces[0][lane];
-    raw[1] = pieces[1][lane];
-  }
-  __device__ __forceinline__ void to_float(float (&x)[8]) const {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      x[4 * i] = __uint_as_float(raw[i].x);
-      x[4 * i + 1] = __uint_as_float(raw[i].y);
-      x[4 * i + 2] = __uint_as_float(raw[i].z);
-      x[4 * i + 3] = __uint_as_float(raw[i].w);
-    }
-  }
-};
+}
 
 // Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80+). The CPU emulation
 // copies at once, which is one of the orders the real copies may complete in.
@@ -560,10 +544,8 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
     float s[U][G];
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
-      dense_chunk<F> kc;
-      kc.from(kst[u], lane);
       float x[8];
-      kc.to_float(x);
+      staged_floats<F>(kst[u], lane, x);
 #pragma unroll
       for (std::uint32_t g = 0; g < G; ++g) {
         float a = q[g][0] * x[0], bb = q[g][1] * x[1];
@@ -610,10 +592,8 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
     }
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
-      dense_chunk<F> vc;
-      vc.from(vst[u], lane);
       float x[8];
-      vc.to_float(x);
+      staged_floats<F>(vst[u], lane, x);
 #pragma unroll
       for (std::uint32_t g = 0; g < G; ++g)
 #pragma unroll

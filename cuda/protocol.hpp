@@ -24,6 +24,8 @@
 #include <kvcache/detail/protocol_checks.hpp>
 #include <kvcache/view.hpp>
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -191,6 +193,21 @@ struct split_plan {
   std::uint32_t count;   // max_splits (per segment)
 };
 
+/// Multiprocessors of `device`: asked of the runtime once per device and process (attend()
+/// needs it on every call, per layer and step).
+inline result<int> multiprocessors(int device) {
+  constexpr int kKnown = 64;
+  static std::array<std::atomic<int>, kKnown> known{};  // 0: not asked yet
+  const bool cached = device >= 0 && device < kKnown;
+  if (cached)
+    if (const int n = known[static_cast<std::size_t>(device)].load(std::memory_order_relaxed); n > 0) return n;
+  int n = 0;
+  KVCACHE_CUDA_TRY(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+                   "attend: cudaDeviceGetAttribute(multiProcessorCount)");
+  if (cached) known[static_cast<std::size_t>(device)].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 /// attend(), first step: the checks of the call, and the split for `cover` tokens (the longest
 /// a sequence of the batch may have).
 template <class Impl>
@@ -210,13 +227,9 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
                 {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
   std::uint32_t tokens = opt.split_tokens;
   if (tokens == 0) {
-    int sms = 0;
-    {
-      KVCACHE_CUDA_DEVICE(m.where, "attend: cudaSetDevice");
-      KVCACHE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, m.where.device),
-                       "attend: cudaDeviceGetAttribute(multiProcessorCount)");
-    }
-    tokens = cuda_auto_split_tokens(cover, m.batch_slots.size(), g.kv_heads, ap.q_heads, sms);
+    const result<int> sms = multiprocessors(m.where.device);
+    KVCACHE_TRY(sms);
+    tokens = cuda_auto_split_tokens(cover, m.batch_slots.size(), g.kv_heads, ap.q_heads, sms.value());
   }
   const std::size_t splits = (cover + tokens - 1) / tokens;
   if (splits > 65535)
