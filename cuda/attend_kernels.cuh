@@ -645,6 +645,15 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 __device__ __forceinline__ float q4_code(unsigned codes, unsigned i) {  // byte i of four 4-bit codes
   return __uint_as_float(__byte_perm(codes, 0x4B000000u, 0x7540u + i)) - 8388608.0f;
 }
+/// The eight codes of a code word as floats: byte i's low nibble (a[i]) and high nibble (c[i]).
+__device__ __forceinline__ void q4_word_codes(unsigned word, float (&a)[4], float (&c)[4]) {
+  const unsigned lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    a[i] = q4_code(lo, i);
+    c[i] = q4_code(hi, i);
+  }
+}
 
 template <std::uint32_t B, std::uint32_t G>
 struct q4_shared {
@@ -741,13 +750,8 @@ __global__ void __launch_bounds__(kThreads, B * G <= 8 && B <= 4 ? 4 : B * G <= 
     for (std::uint32_t g = 0; g < G; ++g) s0[g] = s1[g] = 0.0f;
 #pragma unroll
     for (std::uint32_t k = 0; k < KW; ++k) {
-      const unsigned lo = kc[k] & 0x0F0F0F0Fu, hi = (kc[k] >> 4) & 0x0F0F0F0Fu;
-      float a[4], c[4];
-#pragma unroll
-      for (std::uint32_t i = 0; i < 4; ++i) {
-        a[i] = q4_code(lo, i);
-        c[i] = q4_code(hi, i);
-      }
+      float a[4], c[4];  // tokens x (a) and x + 16 (c) of channels 4 (2 k + h) + i
+      q4_word_codes(kc[k], a, c);
 #pragma unroll
       for (std::uint32_t g = 0; g < G; ++g) {
         const float4 qs = *reinterpret_cast<const float4*>(&work[g][4 * (2 * k + h)]);
@@ -791,13 +795,8 @@ __global__ void __launch_bounds__(kThreads, B * G <= 8 && B <= 4 ? 4 : B * G <= 
     for (std::uint32_t j = 0; j < B; ++j)
 #pragma unroll
       for (std::uint32_t mq = 0; mq < 4; ++mq) {
-        const unsigned lo = vc[j][mq] & 0x0F0F0F0Fu, hi = (vc[j][mq] >> 4) & 0x0F0F0F0Fu;
         float a[4], c[4];  // tokens 4 (2 mq + h) + i of channels 32 j + x (a) and 32 j + x + 16 (c)
-#pragma unroll
-        for (std::uint32_t i = 0; i < 4; ++i) {
-          a[i] = q4_code(lo, i);
-          c[i] = q4_code(hi, i);
-        }
+        q4_word_codes(vc[j][mq], a, c);
 #pragma unroll
         for (std::uint32_t g = 0; g < G; ++g) {
           const float4 w = *reinterpret_cast<const float4*>(&work[g][j * q4_group + 4 * (2 * mq + h)]);
