@@ -23,8 +23,8 @@ endif()
 # the unchanged device tests, linked against an emulated CUDA runtime (tests/cuda/emu_runtime:
 # a fake cuda_runtime.h with host memory as device memory, stream capture recorded into graphs)
 # and the kernels run on the CPU by tests/cuda/emulator.hpp. No nvcc, no GPU: built in every
-# configuration but cross builds (under qemu the emulation's 128 threads per launch would take far
-# too long); the ctest names end in _emulated (label "emulated"). They check the host logic and
+# configuration but cross builds (they test no ISA-specific code, and under qemu they would add
+# minutes to the aarch64 stage); the ctest names end in _emulated (label "emulated"). They check the host logic and
 # the kernels' logic end to end, not the real runtime, compiler or hardware.
 if(CMAKE_CROSSCOMPILING)
   set(KVCACHE_CUDA_EMULATED_DEFAULT OFF)
