@@ -46,19 +46,22 @@ bool cpu_has(isa i) noexcept {
   }
 }
 
-// AMD Zen 5 or later: vendor AuthenticAMD, CPUID family (base 0xF plus extended) 0x1A or more.
-bool zen5_or_later() noexcept {
+// The CPUID family (base 0xF plus extended) of an AMD CPU (vendor AuthenticAMD), 0 on others.
+unsigned amd_family() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return 0;
   const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
-  if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  if (!amd || __get_cpuid(1, &a, &b, &c, &d) == 0) return 0;
   const unsigned base = (a >> 8) & 0xFu, ext = (a >> 20) & 0xFFu;
-  return base == 0xFu && base + ext >= 0x1Au;
+  return base == 0xFu ? base + ext : base;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+// AMD Zen 5 or later: CPUID family 0x1A or more.
+bool zen5_or_later() noexcept { return amd_family() >= 0x1Au; }
 
 const kernels::table* table_of(isa i) noexcept {
   if (!cpu_has(i)) return nullptr;
@@ -160,6 +163,7 @@ result<void> force_isa(isa i) {
 
 namespace kernels {
 const bool q4_prefetch_to_l1 = zen5_or_later();
+bool splits_512bit_operations() noexcept { return amd_family() == 0x19u; }
 
 const table& active() noexcept { return *current().load(std::memory_order_acquire); }
 const table* find(isa i) noexcept { return table_of(i); }
@@ -182,6 +186,14 @@ const table* find(isa i, q4_arith a) noexcept {
 const table* find_without_vnni(isa i) noexcept {
 #if defined(KVCACHE_HAVE_AVX2)
   if (i == isa::avx2 && table_of(i) != nullptr) return &avx2::int8_without_vnni();
+#endif
+  (void)i;
+  return nullptr;
+}
+
+const table* find_other_score_width(isa i) noexcept {
+#if defined(KVCACHE_HAVE_AVX512)
+  if (i == isa::avx512 && table_of(i) != nullptr) return &avx512::other_score_width();
 #endif
   (void)i;
   return nullptr;

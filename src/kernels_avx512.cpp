@@ -127,12 +127,12 @@ struct V {
   static float f32_of(std::uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 };
 
-// Dense scores with 256-bit vectors: a dot product of 512-bit accumulators needs a four-level
-// horizontal tree per 16 sums, 256-bit ones a three-level tree of single-width operations
-// (avx2_horizontal.inl), for the same FMA throughput on cores that split 512-bit operations in two
-// (Zen 4) and no loss where they do not. AVX-512VL gives the 32 registers for 16 accumulators
-// (4 tokens x 4 queries) and masked tails. Measured on Zen 4: 35-36 cycles per token and 4 queries
-// at head_dim 128 against 42-44 for the 512-bit kernel (32 of FMAs).
+// Dense scores with 256-bit vectors, for cores that split 512-bit operations in two (Zen 4; see
+// splits_512bit_operations): a dot product of 512-bit accumulators needs a four-level horizontal
+// tree per 16 sums, 256-bit ones a three-level tree of single-width operations
+// (avx2_horizontal.inl), for the same FMA throughput there. AVX-512VL gives the 32 registers for
+// 16 accumulators (4 tokens x 4 queries) and masked tails. Measured on Zen 4: 35-36 cycles per
+// token and 4 queries at head_dim 128 against 42-44 for the 512-bit kernel (32 of FMAs).
 namespace ymm {
 
 constexpr unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -166,8 +166,40 @@ constexpr unsigned W = V::W;
 
 }  // namespace ymm
 
-using ymm::scores_f16;
-using ymm::scores_f32;
+// Dense scores with 512-bit vectors: the choice on cores that do not split them (Zen 5, Intel).
+// Measured on Zen 5 (this project's VM, CPU family 26), attend at 32k tokens, 1 thread, steps
+// of each kernel alternated in one process with the other caches' in between: a contiguous f16
+// cache 1.12-1.13x faster than with the 256-bit scores, a paged one (16-token blocks) 1.12x.
+using base_v = V;
+namespace zmm {
+
+constexpr unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+constexpr unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+
+#include "row_prefetch.inl"
+
+struct V : base_v {
+  static constexpr unsigned score_queries = 4;  // queries per pass over a K tile
+  static constexpr unsigned score_acc = 16;     // dot-product accumulators of a score tile
+  // Lanes 4 g .. 4 g + 3 of x (g < 4) to p[0..3].
+  static void store4(float* p, vf x, unsigned g) {
+    switch (g) {
+      case 0: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 0)); break;
+      case 1: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 1)); break;
+      case 2: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 2)); break;
+      default: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 3)); break;
+    }
+  }
+};
+using vf = V::vf;
+constexpr unsigned W = V::W;
+
+#include "scores_dense.inl"
+
+}  // namespace zmm
+
+using zmm::scores_f16;
+using zmm::scores_f32;
 #define KVCACHE_OWN_DENSE_SCORES
 #include "kernels_simd.inl"
 #undef KVCACHE_OWN_DENSE_SCORES
@@ -179,6 +211,10 @@ const table& float_q4() noexcept { return simd_table; }
 const table& get() noexcept {
   static const table t = [] {
     table x = simd_table;
+    if (splits_512bit_operations()) {
+      x.scores_f16 = ymm::scores_f16;
+      x.scores_f32 = ymm::scores_f32;
+    }
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) {
       x.scores_q4 = avx512vnni::scores_q4;
@@ -187,6 +223,17 @@ const table& get() noexcept {
       x.q4_values = q4_arith::int8;
       x.q4 = q4_arith::int8;
     }
+    return x;
+  }();
+  return t;
+}
+
+const table& other_score_width() noexcept {
+  static const table t = [] {
+    table x = get();
+    const bool narrow = x.scores_f16 == ymm::scores_f16;
+    x.scores_f16 = narrow ? zmm::scores_f16 : ymm::scores_f16;
+    x.scores_f32 = narrow ? zmm::scores_f32 : ymm::scores_f32;
     return x;
   }();
   return t;

@@ -32,6 +32,11 @@ namespace scalar { const table& get() noexcept; }
 // slower on a day of high memory latency and the same on others (row_prefetch.inl), so it keeps L2.
 extern const bool q4_prefetch_to_l1;
 
+// Whether this CPU's cores split 512-bit vector operations in two 256-bit halves: AMD Zen 4 (CPUID
+// family 0x19; its Zen 3 siblings have no AVX-512). The AVX-512 table then keeps 256-bit dense
+// score kernels, which measured faster there (kernels_avx512.cpp).
+[[nodiscard]] bool splits_512bit_operations() noexcept;
+
 // The x86 tables: get() has the int8 Q4 kernels where the CPU has them (AVX2: always, on
 // vpdpbusd in kernels_avx2vnni.cpp with AVX-VNNI, on vpmaddubsw in kernels_avx2int8.cpp
 // without; AVX-512: kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI), float_q4()
@@ -53,7 +58,9 @@ namespace avx2vnni { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; att
 namespace avx2int8 { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
 #endif
 #if defined(KVCACHE_HAVE_AVX512)
-namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; }
+// avx512::other_score_width(): get() with the other width of dense score kernels (512-bit where
+// get() has 256-bit, and the reverse), for tests and benchmarks.
+namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; const table& other_score_width() noexcept; }
 namespace avx512vnni {
 scores_q4_fn scores_q4;
 accumulate_q4_fn accumulate_q4;

@@ -447,6 +447,22 @@ TEST_P(Kernels, ScoresF32) {
   KVCACHE_SEED_TRACE();
   check_scores_dense<float>(*t_, rng_, false);
 }
+// AVX-512: the dense score kernels of the other vector width than this CPU's table has (512-bit,
+// or 256-bit on AMD Zen 4), so that both are tested on any AVX-512 machine.
+TEST_P(Kernels, ScoresOtherWidth) {
+  KVCACHE_SEED_TRACE();
+  const kernels::table* other = kernels::find_other_score_width(GetParam());
+  if (GetParam() != isa::avx512) {
+    EXPECT_EQ(other, nullptr);
+    GTEST_SKIP() << "this ISA has one width of dense score kernels";
+  }
+  ASSERT_NE(other, nullptr);
+  EXPECT_NE(other->scores_f16, t_->scores_f16);
+  EXPECT_NE(other->scores_f32, t_->scores_f32);
+  EXPECT_EQ(other->accumulate_f16, t_->accumulate_f16);
+  check_scores_dense<half>(*other, rng_, true);
+  check_scores_dense<float>(*other, rng_, false);
+}
 
 template <class V>
 void check_accumulate_dense(const kernels::table& t, std::mt19937_64& rng, bool f16) {

@@ -143,4 +143,10 @@ struct table {
 /// benchmarks.
 [[nodiscard]] const table* find_without_vnni(isa i) noexcept;
 
+/// find(i) with the other width of dense score kernels (scores_f16, scores_f32), or nullptr where
+/// an ISA has only one. AVX-512: find() has 512-bit ones, or 256-bit ones on cores that split
+/// 512-bit operations in two (AMD Zen 4), where those measured faster; this table the other.
+/// For tests and benchmarks.
+[[nodiscard]] const table* find_other_score_width(isa i) noexcept;
+
 }  // namespace kvcache::kernels
