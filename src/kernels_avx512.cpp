@@ -21,7 +21,8 @@ namespace {
 struct V {
   static constexpr isa which = isa::avx512;
   static constexpr unsigned W = 16;
-  // (No score_queries / score_acc: the dense scores are ymm::V's.)
+  static constexpr unsigned score_queries = 4;  // queries per pass over a K tile
+  static constexpr unsigned score_acc = 16;     // dot-product accumulators of a score tile
   static constexpr unsigned acc_queries = 8;  // queries per pass over a V tile
   static constexpr unsigned acc_regs = 16;   // accumulators of a dense accumulate tile
   static constexpr unsigned q4_queries = 8;  // queries per Q4 kernel call (see q4_acc)
@@ -52,6 +53,15 @@ struct V {
   static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
   static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
   static float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+  // Lanes 4 g .. 4 g + 3 of x (g < 4) to p[0..3].
+  static void store4(float* p, vf x, unsigned g) {
+    switch (g) {
+      case 0: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 0)); break;
+      case 1: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 1)); break;
+      case 2: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 2)); break;
+      default: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 3)); break;
+    }
+  }
 
   // Transposing reduction tree: four levels of (shuffle, shuffle, op). Lane 4c + l of the result
   // combines input 4l + c, so the inputs are fed in that order to get lane j = op over v[j].
@@ -166,43 +176,12 @@ constexpr unsigned W = V::W;
 
 }  // namespace ymm
 
-// Dense scores with 512-bit vectors: the choice on cores that do not split them (Zen 5, Intel).
-// Measured on Zen 5 (this project's VM, CPU family 26), attend at 32k tokens, 1 thread, steps
-// of each kernel alternated in one process with the other caches' in between: a contiguous f16
-// cache 1.12-1.13x faster than with the 256-bit scores, a paged one (16-token blocks) 1.12x.
-using base_v = V;
-namespace zmm {
-
-constexpr unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
-constexpr unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
-
-#include "row_prefetch.inl"
-
-struct V : base_v {
-  static constexpr unsigned score_queries = 4;  // queries per pass over a K tile
-  static constexpr unsigned score_acc = 16;     // dot-product accumulators of a score tile
-  // Lanes 4 g .. 4 g + 3 of x (g < 4) to p[0..3].
-  static void store4(float* p, vf x, unsigned g) {
-    switch (g) {
-      case 0: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 0)); break;
-      case 1: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 1)); break;
-      case 2: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 2)); break;
-      default: _mm_storeu_ps(p, _mm512_extractf32x4_ps(x, 3)); break;
-    }
-  }
-};
-using vf = V::vf;
-constexpr unsigned W = V::W;
-
-#include "scores_dense.inl"
-
-}  // namespace zmm
-
-using zmm::scores_f16;
-using zmm::scores_f32;
-#define KVCACHE_OWN_DENSE_SCORES
+// The 512-bit dense scores are kernels_simd.inl's (scores_dense.inl with the 16-lane V above):
+// the choice on cores that do not split 512-bit operations (Zen 5, Intel). Measured on Zen 5
+// (this project's VM, CPU family 26), attend at 32k tokens, 1 thread, steps of each kernel
+// alternated in one process with the other caches' in between: a contiguous f16 cache
+// 1.12-1.13x faster than with the 256-bit scores above, a paged one (16-token blocks) 1.12x.
 #include "kernels_simd.inl"
-#undef KVCACHE_OWN_DENSE_SCORES
 
 }  // namespace
 
@@ -232,8 +211,8 @@ const table& other_score_width() noexcept {
   static const table t = [] {
     table x = get();
     const bool narrow = x.scores_f16 == ymm::scores_f16;
-    x.scores_f16 = narrow ? zmm::scores_f16 : ymm::scores_f16;
-    x.scores_f32 = narrow ? zmm::scores_f32 : ymm::scores_f32;
+    x.scores_f16 = narrow ? simd_table.scores_f16 : ymm::scores_f16;
+    x.scores_f32 = narrow ? simd_table.scores_f32 : ymm::scores_f32;
     return x;
   }();
   return t;

@@ -16,9 +16,9 @@
 //   16 bytes as floats (low nibbles = elements 0..15, high = 16..31); load_range(half*, lo, hi) ->
 //   lanes [lo, hi) loaded, the others 0 (all W readable); scale_up(step, half out[W]) -> smallest
 //   half >= step per lane (the Q4 scale); recip_or_zero(s) = s > 0 ? 1/s : 0; f32_of(bits)
-//   converts one half; tuning constants score_queries, score_acc (for scores_dense.inl, which
-//   an includer that defines KVCACHE_OWN_DENSE_SCORES brings itself), acc_queries, acc_regs,
-//   q4_queries (queries per Q4 kernel pass) and q4_acc (registers for Q4 accumulators); optionally
+//   converts one half; tuning constants score_queries, score_acc (for scores_dense.inl),
+//   acc_queries, acc_regs, q4_queries (queries per Q4 kernel pass) and q4_acc (registers for Q4
+//   accumulators); optionally
 //   store4(p, x, g): lanes 4 g .. 4 g + 3 to p[0..3].
 
 using vf = V::vf;
@@ -311,10 +311,8 @@ void dequantize_values(const std::uint8_t* src, std::uint32_t first, std::uint32
   }
 }
 
-// scores_f16 and scores_f32, unless the includer defined its own (kernels_avx512.cpp).
-#ifndef KVCACHE_OWN_DENSE_SCORES
+// scores_f16 and scores_f32.
 #include "scores_dense.inl"
-#endif
 
 // ---- dense accumulate: acc[i][d] += sum_t p[i][t] v[t][d] -----------------------------------------
 

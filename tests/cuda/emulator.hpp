@@ -71,8 +71,7 @@ struct fiber {
 /// The block being run: its fibers, barriers and shuffle buffers, and the scheduler's context.
 struct block_context {
   ucontext_t scheduler{};
-  std::vector<fiber*> fibers;  // [threadIdx.x]
-  unsigned running = 0;        // the fiber being run
+  std::vector<fiber*> fibers;  // [threadIdx.x]; the one being run is fibers[threadIdx.x]
   barrier block;
   std::vector<barrier> warp;
   std::vector<std::uint64_t> exchange;  // [warp][lane] one shuffled value
@@ -109,7 +108,7 @@ namespace kvcache_emu {
 /// later launch, for a finished fiber: `current` is then another block_context).
 inline void to_scheduler() {
   block_context& c = *current;
-  fiber& f = *c.fibers[c.running];
+  fiber& f = *c.fibers[threadIdx.x];
 #if defined(KVCACHE_EMU_ASAN)
   void* fake_stack = nullptr;
   __sanitizer_start_switch_fiber(&fake_stack, scheduler_stack, scheduler_stack_size);
@@ -128,7 +127,7 @@ inline void arrive_and_wait(barrier& b) {
     ++b.generation;
     return;
   }
-  fiber& f = *current->fibers[current->running];
+  fiber& f = *current->fibers[threadIdx.x];
   f.waits_on = &b;
   f.wait_generation = generation;
   to_scheduler();
@@ -217,7 +216,7 @@ inline void fiber_main() {
   for (;;) {
     block_context& c = *current;
     c.body(c.body_arg);
-    c.fibers[c.running]->finished = true;
+    c.fibers[threadIdx.x]->finished = true;
     to_scheduler();
   }
 }
@@ -310,7 +309,6 @@ Result launch(K kernel, dim3 grid, dim3 block, A... args) {
             }
             ran = true;
             threadIdx = dim3(t);
-            c.running = t;
 #if defined(KVCACHE_EMU_ASAN)
             void* fake_stack = nullptr;
             __sanitizer_start_switch_fiber(&fake_stack, f.stack, fiber_stack_bytes);
