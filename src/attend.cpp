@@ -182,7 +182,7 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
   return st;
 }
 
-// Small chunks (paged blocks, Q4 groups) lie scattered over the pool, where the hardware
+// Small chunks (paged blocks, two-tier store groups across slabs) can lie scattered, where the hardware
 // prefetchers lose the stream at every chunk: the chunk some prefetch_tokens ahead is prefetched
 // in software, to L2 (see row_prefetch.inl), at the rate the kernels read: each kernel call takes
 // as many lines of the stream as it reads itself, and spreads them over its rows. Measured on
@@ -417,8 +417,9 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
 // Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
 // (gathered over as many chunks as it takes) is scored for every head of the range, each head's
 // online-softmax step taken, and its values summed while the tile's keys and values are still in
-// cache. One head at a time reads a contiguous cache's K and V as two sequential streams; all
-// heads of a task together read a paged block or a Q4 group (every head side by side) as one.
+// cache. One head at a time reads a contiguous cache's K and V as two sequential streams, and a
+// two-tier store's groups as one; all heads of a task together read a paged block (every head
+// side by side) as one.
 // Where the kernel table has a fused Q4 step (table::attend_q4), a Q4 group with Q4 values is a
 // tile of its own: one call per head does its scores, softmax step and values.
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
@@ -535,11 +536,21 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   }
 }
 
-// A task is one sequence and a run of its kv heads: done head by head when the view's chunks are
-// large (a contiguous cache; paged blocks of two tiles or more, whose ends prefetch the following
-// block's rows: 64-token blocks ran at 0.78 of contiguous all heads together, 0.96 head by head),
-// all heads together when they are small (paged blocks of 16 or 32 tokens, Q4 groups).
-// A split sequence's task is one part of its tokens (parts > 1) and a run of its kv heads.
+// Whether a task reads the view head by head: where its chunks are large (a contiguous cache;
+// paged blocks of two tiles or more, whose ends prefetch the following block's rows: 64-token
+// blocks ran at 0.78 of contiguous all heads together, 0.96 head by head), or where a chunk's kv
+// heads lie apart rather than side by side (the two-tier store, which keeps each head's groups in
+// one run). Small chunks with their heads side by side (paged blocks of 16 or 32 tokens) are read
+// all heads together, so that each chunk is one stream.
+bool head_by_head(const layer_view& view, std::uint32_t hd) {
+  if (view.count <= 1 || view.tokens / view.count >= large_chunk_tokens) return true;
+  const chunk& c = view.chunks[0];
+  return c.k_head_stride > key_head_bytes(c, hd) + value_head_bytes(c, hd);
+}
+
+// A task is one sequence and a run of its kv heads, read head by head or all heads together
+// (head_by_head). A split sequence's task is one part of its tokens (parts > 1) and a run of its
+// kv heads.
 void run_task(const call& c, std::size_t task, unsigned worker) {
   const std::size_t seq = task / c.tasks_per_seq;
   const std::uint32_t in_seq = static_cast<std::uint32_t>(task % c.tasks_per_seq);
@@ -556,8 +567,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     e = c.bounds[seq * (c.parts + 1) + part + 1];
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
-  const bool large = view.count <= 1 || view.tokens / view.count >= large_chunk_tokens;
-  if (large) {
+  if (head_by_head(view, c.head_dim)) {
     const std::uint32_t limit = large_tile(view);
     for (std::uint32_t h = h0; h < h1; ++h)
       run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit);

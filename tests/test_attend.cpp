@@ -86,7 +86,10 @@ inline std::size_t value_head_bytes(const chunk_spec& c, std::uint32_t hd) {
 
 /// Builds the chunks over data's tokens in order; the specs' tokens must add up to data.tokens.
 /// Q4 is produced and decoded with the scalar reference kernels, from f16-rounded inputs.
-inline built_view build(const kv_data& data, const std::vector<chunk_spec>& specs) {
+/// A chunk's heads lie side by side (all keys, then all values, as a paged block), or with
+/// heads_apart each head's keys then values, the next head past a gap (as the two-tier store),
+/// which attend reads head by head.
+inline built_view build(const kv_data& data, const std::vector<chunk_spec>& specs, bool heads_apart = false) {
   const kvcache::kernels::table& ref = *kvcache::kernels::find(kvcache::isa::scalar);
   const std::uint32_t H = data.kv_heads, D = data.head_dim, nb = kvcache::q4_value_blocks(D);
   built_view b;
@@ -108,18 +111,20 @@ inline built_view build(const kv_data& data, const std::vector<chunk_spec>& spec
     s.capacity = std::max(s.capacity, s.tokens);
     const std::size_t kb = key_head_bytes(s, D), vb = value_head_bytes(s, D);
     std::vector<float>& mem = b.storage[ci];
-    mem.assign((H * (kb + vb)) / sizeof(float) + 8, 0.0f);
+    const std::size_t apart = kb + vb + 64;  // head stride with heads_apart
+    mem.assign((H * (heads_apart ? apart : kb + vb)) / sizeof(float) + 8, 0.0f);
     auto* kbase = reinterpret_cast<std::byte*>(mem.data());
-    std::byte* vbase = kbase + H * kb;
+    std::byte* vbase = heads_apart ? kbase + kb : kbase + H * kb;
     chunk& c = b.chunks[ci];
-    c = chunk{kbase, vbase, kb, vb, s.tokens, s.k_format, s.v_format};
+    c = heads_apart ? chunk{kbase, vbase, apart, apart, s.tokens, s.k_format, s.v_format}
+                    : chunk{kbase, vbase, kb, vb, s.tokens, s.k_format, s.v_format};
     for (std::uint32_t h = 0; h < H; ++h) {
       // Source rows of this head and chunk, f16-rounded for the f16 and q4 formats.
       hrow.resize(static_cast<std::size_t>(s.tokens) * D);
       deq.resize(static_cast<std::size_t>(s.tokens) * D);
       for (int which = 0; which < 2; ++which) {
         const format f = which == 0 ? s.k_format : s.v_format;
-        std::byte* dst = (which == 0 ? kbase + h * kb : vbase + h * vb);
+        std::byte* dst = which == 0 ? const_cast<std::byte*>(c.k_head(h)) : const_cast<std::byte*>(c.v_head(h));
         std::vector<double>& eff = which == 0 ? b.k_eff : b.v_eff;
         for (std::uint32_t t = 0; t < s.tokens; ++t)
           for (std::uint32_t d = 0; d < D; ++d) {
@@ -345,7 +350,7 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
   std::vector<layer_view> lv;
   for (std::uint32_t n : lengths) {
     const kv_data data = random_kv(rng, s.kv_heads, s.head_dim, n, realistic, key_scale);
-    views.push_back(build(data, chunking(p, n, rng)));
+    views.push_back(build(data, chunking(p, n, rng), p == pattern::two_tier));  // laid out as the two-tier store
   }
   for (const built_view& b : views) lv.push_back(b.view());
   const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;

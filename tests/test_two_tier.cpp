@@ -287,8 +287,16 @@ TEST(two_tier, migration_follows_the_tail_rule_and_views_list_groups_then_tail) 
             EXPECT_EQ(lv[i].tokens, 32u);
             EXPECT_EQ(lv[i].k_format, format::q4);
             EXPECT_EQ(lv[i].v_format, format::q4);
-            EXPECT_EQ(lv[i].k_head_stride, kvcache::q4_key_group_bytes(g.head_dim));
-            EXPECT_EQ(lv[i].v_head_stride, kvcache::q4_value_group_bytes(g.head_dim));
+            // A slab is [layer][kv head][slab_groups]{key group, value group}: one head's
+            // groups of consecutive slots are one run.
+            const std::size_t kb = kvcache::q4_key_group_bytes(g.head_dim);
+            const std::size_t pair = kb + kvcache::q4_value_group_bytes(g.head_dim);
+            EXPECT_EQ(lv[i].k_head_stride, c.settings().slab_groups * pair);
+            EXPECT_EQ(lv[i].v_head_stride, c.settings().slab_groups * pair);
+            EXPECT_EQ(lv[i].v_head(0), lv[i].k_head(0) + kb);
+            if (i % c.settings().slab_groups != 0) {
+              EXPECT_EQ(lv[i].k_head(0), lv[i - 1].k_head(0) + pair);
+            }
           } else {
             EXPECT_GT(lv[i].tokens, 0u);
             EXPECT_EQ(lv[i].k_format, format::f16);
@@ -634,8 +642,11 @@ TEST(two_tier, key_and_value_formats_are_independent) {
       for (std::uint32_t i = 0; i < groups; ++i) {
         EXPECT_EQ(lv[i].k_format, kf);
         EXPECT_EQ(lv[i].v_format, vf);
-        EXPECT_EQ(lv[i].k_head_stride, kf == format::q4 ? g.head_dim * 20u : 32u * g.head_dim * 2u);
-        EXPECT_EQ(lv[i].v_head_stride, vf == format::q4 ? 32u * 2u * 20u : 32u * g.head_dim * 2u);
+        const std::size_t kb = kf == format::q4 ? g.head_dim * 20u : 32u * g.head_dim * 2u;
+        const std::size_t vb = vf == format::q4 ? 32u * 2u * 20u : 32u * g.head_dim * 2u;
+        EXPECT_EQ(lv[i].k_head_stride, c.settings().slab_groups * (kb + vb));
+        EXPECT_EQ(lv[i].v_head_stride, c.settings().slab_groups * (kb + vb));
+        EXPECT_EQ(lv[i].v_head(0), lv[i].k_head(0) + kb);
       }
     }
     // FP16 store groups are exact FP16 copies; Q4 ones within the Q4 bound.

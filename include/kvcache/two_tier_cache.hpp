@@ -14,8 +14,12 @@
 ///   occupied in a staging buffer (allocated by reserve, freed by commit).
 /// - Store: 32-token groups, each quantized once and never re-quantized. Q4 keys are grouped per
 ///   (kv head, channel) over the group's 32 tokens, Q4 values per (kv head, token, 32 channels),
-///   one packed key group and one value group per head (format.hpp); FP16 store groups are plain copies, `// [kv_head][32][head_dim]`. One group slot holds every
-///   layer: `// [layer]{K: [kv_head] key group, V: [kv_head] value group}`.
+///   one packed key group and one value group per head (format.hpp); FP16 store groups are plain
+///   copies, `// [32][head_dim]` per head. A slab of `slab_groups` group slots is
+///   `// [layer][kv_head][slot]{key group, value group}`: a view chunk's heads lie a slab row
+///   apart (head strides of slab_groups key and value groups), and one head's groups in
+///   consecutive slots are one run, which attention reads head by head as a single stream. A
+///   growing sequence takes its slots in ascending order.
 ///
 /// Allocation policy (stats() reports exactly what is allocated):
 /// - a sequence's tail ring is allocated by its first reserve() and kept until release();
@@ -276,7 +280,6 @@ class two_tier_cache<cpu> {
     }
     auto slab = checked_mul(*slot, c.cfg_.slab_groups, "two_tier: slab bytes");
     KVCACHE_TRY(slab);
-    c.layer_group_bytes_ = *layer_group;
     c.slot_bytes_ = *slot;
     c.slab_bytes_ = *slab;
     c.scratch_elems_ = std::size_t{2} * q4_group * g.head_dim;  // head_dim < 2^32: no overflow
@@ -601,8 +604,19 @@ class two_tier_cache<cpu> {
     return reinterpret_cast<half*>(p);
   }
 
-  [[nodiscard]] std::byte* slot_base(const sequence& q, std::uint32_t slot) const noexcept {
-    return q.slabs[slot / cfg_.slab_groups].get() + std::size_t{slot % cfg_.slab_groups} * slot_bytes_;
+  // Key group (value: value group) of one (slot, layer, kv head). A slab is
+  // [layer][kv_head][slab_groups]{key group, value group}: one head's groups in consecutive slots
+  // are one contiguous run, which attention reads front to back.
+  [[nodiscard]] std::byte* group_head(const sequence& q, std::uint32_t slot, std::uint32_t layer, std::uint32_t h,
+                                      bool value) const noexcept {
+    const std::size_t row = std::size_t{layer} * cfg_.shape.kv_heads + h;
+    return q.slabs[slot / cfg_.slab_groups].get() +
+           (row * cfg_.slab_groups + slot % cfg_.slab_groups) * (k_group_head_ + v_group_head_) +
+           (value ? k_group_head_ : 0);
+  }
+  // Bytes between one kv head's groups and the next head's, in a slab.
+  [[nodiscard]] std::size_t store_head_stride() const noexcept {
+    return std::size_t{cfg_.slab_groups} * (k_group_head_ + v_group_head_);
   }
 
   // Groups at the front of the table holding any of the first sink_tokens tokens.
@@ -664,16 +678,13 @@ class two_tier_cache<cpu> {
     const geometry& g = cfg_.shape;
     const std::uint32_t hd = g.head_dim;
     const std::size_t width = g.token_width();
-    std::byte* base = slot_base(q, gslot) + std::size_t{layer} * layer_group_bytes_;
     const bool ring_run = n_ring == q4_group && ring_start + q4_group <= ring_slots_;
     for (int side = 0; side < 2; ++side) {
       const bool value = side == 1;
       const format f = value ? cfg_.value_format : cfg_.key_format;
-      const std::size_t head_bytes = value ? v_group_head_ : k_group_head_;
-      std::byte* dst = base + (value ? std::size_t{g.kv_heads} * k_group_head_ : 0);
       const T* in = value ? v_in : k_in;
       for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-        std::byte* dh = dst + std::size_t{h} * head_bytes;
+        std::byte* dh = group_head(q, gslot, layer, h, value);
         const half* src = nullptr;
         if (f == format::q4 && ring_run) {
           src = ring_row(q, layer, value, h, ring_start);  // 32 consecutive ring rows: quantize in place
@@ -753,8 +764,11 @@ class two_tier_cache<cpu> {
     }
     q.slabs[i] = std::move(b);
     q.slab_used[i] = 0;
-    for (std::uint32_t k = cfg_.slab_groups; k-- > 0;)
-      q.free_slots.push_back(static_cast<std::uint32_t>(i * cfg_.slab_groups + k));
+    // Under the free slots already there (taken first), in descending order: a growing sequence
+    // takes its slots in ascending order, so that its groups follow one another in the slabs.
+    const auto first = static_cast<std::uint32_t>(i * cfg_.slab_groups);
+    q.free_slots.insert(q.free_slots.begin(), cfg_.slab_groups, 0);
+    for (std::uint32_t k = 0; k < cfg_.slab_groups; ++k) q.free_slots[k] = first + cfg_.slab_groups - 1 - k;
   }
 
   [[nodiscard]] std::uint32_t take_slot(sequence& q) const noexcept {
@@ -813,9 +827,8 @@ class two_tier_cache<cpu> {
       chunk* c = q.chunks.data() + l * q.stride + q.first;
       for (std::size_t i = from; i < q.ngroups; ++i) {
         const group_ref g = q.groups[q.first + i];
-        const std::byte* base = slot_base(q, g.slot) + std::size_t{l} * layer_group_bytes_;
-        c[i] = chunk{base, base + std::size_t{cfg_.shape.kv_heads} * k_group_head_, k_group_head_, v_group_head_,
-                     g.tokens, cfg_.key_format, cfg_.value_format};
+        c[i] = chunk{group_head(q, g.slot, l, 0, false), group_head(q, g.slot, l, 0, true), store_head_stride(),
+                     store_head_stride(), g.tokens, cfg_.key_format, cfg_.value_format};
       }
       std::size_t count = q.ngroups;
       std::uint32_t left = q.tail, rs = q.head;
@@ -834,9 +847,8 @@ class two_tier_cache<cpu> {
   // group's count are 0). Kept codes, scales and minimums are untouched.
   void clear_key_codes(sequence& q, std::uint32_t gslot, std::uint32_t keep) const noexcept {
     for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) {
-      std::byte* base = slot_base(q, gslot) + std::size_t{l} * layer_group_bytes_;
       for (std::uint32_t h = 0; h < cfg_.shape.kv_heads; ++h) {
-        auto* group = reinterpret_cast<std::uint8_t*>(base + std::size_t{h} * k_group_head_);
+        auto* group = reinterpret_cast<std::uint8_t*>(group_head(q, gslot, l, h, false));
         for (std::uint32_t d = 0; d < cfg_.shape.head_dim; ++d)
           for (std::uint32_t t = keep; t < q4_group; ++t) {
             std::uint8_t& byte = group[q4_key_code_byte(d, t)];
@@ -853,7 +865,6 @@ class two_tier_cache<cpu> {
   std::size_t ring_bytes_ = 0;         // a whole ring
   std::size_t k_group_head_ = 0;       // one head's key group
   std::size_t v_group_head_ = 0;       // one head's value group
-  std::size_t layer_group_bytes_ = 0;  // one layer of a group slot
   std::size_t slot_bytes_ = 0;         // a group slot (all layers)
   std::size_t slab_bytes_ = 0;         // slab_groups slots
   std::unique_ptr<half[]> scratch_;    // [K|V][32][head_dim]: gather for Q4 migration
