@@ -203,8 +203,8 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // tile reads all its chunks' keys before their values. With 128-token tiles over 16-token blocks
 // (1 thread, 32k, in-process alternation against 32-token tiles 32 tokens ahead), 64 tokens ahead
 // ran 1.06-1.08x faster, 80 1.06x, 48 0.90x and 32 0.76x: too short a distance leaves the tile's
-// later keys unfetched while the stream is still on earlier values. At 64 the two-tier Q4 groups
-// (two tiles ahead, prefetched whole) ran as before (0.99-1.00x).
+// later keys unfetched while the stream is still on earlier values. Fused Q4 tiles (two groups)
+// prefetch the next tile instead (run_heads).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
 
@@ -459,7 +459,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       if (filled == 0 && c.kt->attend_q4 != nullptr && is_q4_group(ch)) {
         // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
         // one call per head (validated: off == 0): scores, softmax step and values of all the
-        // head's queries over both groups as one tile. Prefetched: the tile after it.
+        // head's queries over both groups as one tile. Prefetched: the next tile's groups (the
+        // distance prefetch_tokens would give, two groups further, ran at 0.94-0.98 of this over
+        // the two-tier store at 32k, 1 and 2 threads, in-process alternation on Zen 5).
         kernels::q4_group_ref gr[2];
         const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
                           tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
@@ -468,9 +470,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         for (std::uint32_t j = 0; j < n; ++j) {
           const chunk& cj = view.chunks[ci + j];
           lines += lines_of(key_head_bytes(cj, hd)) + lines_of(value_head_bytes(cj, hd));
-          if (ci + n - 1 + j < view.count) {
-            const chunk* ahead = chunk_ahead(view, ci + n - 1 + j, hd);
-            if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
+          if (ci + n + j < end) {
+            const chunk& a = view.chunks[ci + n + j];
+            if (is_q4_group(a) && key_head_bytes(a, hd) <= prefetch_limit) pf.queue(a, ha, hb, hd);
           }
         }
         for (std::uint32_t h = ha; h < hb; ++h) {
