@@ -208,12 +208,15 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a chunk
 
+// Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
+bool prefetchable(const chunk& a, std::uint32_t hd) { return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit; }
+
 // The chunk to prefetch when chunk ci starts, or nullptr.
 const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t hd) {
   const std::uint32_t d = std::max<std::uint32_t>(1, prefetch_tokens / std::max<std::uint32_t>(view.chunks[ci].tokens, 1));
   if (ci + d >= view.count) return nullptr;
   const chunk& a = view.chunks[ci + d];
-  return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit ? &a : nullptr;
+  return prefetchable(a, hd) ? &a : nullptr;
 }
 
 // Whether chunk c is a Q4 group with Q4 values, with tokens.
@@ -472,7 +475,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
           lines += lines_of(key_head_bytes(cj, hd)) + lines_of(value_head_bytes(cj, hd));
           if (ci + n + j < end) {
             const chunk& a = view.chunks[ci + n + j];
-            if (is_q4_group(a) && key_head_bytes(a, hd) <= prefetch_limit) pf.queue(a, ha, hb, hd);
+            if (is_q4_group(a) && prefetchable(a, hd)) pf.queue(a, ha, hb, hd);
           }
         }
         for (std::uint32_t h = ha; h < hb; ++h) {

@@ -124,7 +124,7 @@ inline built_view build(const kv_data& data, const std::vector<chunk_spec>& spec
       deq.resize(static_cast<std::size_t>(s.tokens) * D);
       for (int which = 0; which < 2; ++which) {
         const format f = which == 0 ? s.k_format : s.v_format;
-        std::byte* dst = which == 0 ? const_cast<std::byte*>(c.k_head(h)) : const_cast<std::byte*>(c.v_head(h));
+        std::byte* dst = which == 0 ? kbase + h * c.k_head_stride : vbase + h * c.v_head_stride;
         std::vector<double>& eff = which == 0 ? b.k_eff : b.v_eff;
         for (std::uint32_t t = 0; t < s.tokens; ++t)
           for (std::uint32_t d = 0; d < D; ++d) {
