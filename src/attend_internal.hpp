@@ -4,6 +4,8 @@
 // functions declared here.
 #include <kvcache/kernels.hpp>
 
+#include "kernels_internal.hpp"  // kernels::dense_prefetch_t2, for row_prefetch.inl
+
 #include <cstddef>
 #include <cstdint>
 

@@ -7,13 +7,20 @@
 // prefetched this way during the current one nearly doubles decode attention at 32k tokens, while
 // the same lines issued in one burst per call (or one line in 2..8) made it slower than none.
 //
-// Every software prefetch of this library's CPU kernels is to L2 (locality 2: prefetcht1,
-// prfm pldl2keep), not to L1: measured on Zen 4 at 32k tokens (interleaved runs), prefetcht0 made
-// decode attention 1.6 to 1.7 times slower for a contiguous f16 cache and 1.5 times for the
-// two-tier Q4 one, on a day of the shared VM with high memory latency (on a faster day, L2 and
-// L1 measured the same). The likely reason: prefetches into L1 hold its few miss buffers for the
-// whole trip to memory, and the demand loads of the rows being worked on wait behind them; from
-// L2, the hardware's L1 prefetcher and the out-of-order window cover the rest of the latency.
+// The dense kernels' software prefetches are to L2 (locality 2: prefetcht1, prfm pldl2keep), not
+// to L1: measured on Zen 4 at 32k tokens (interleaved runs), prefetcht0 made decode attention 1.6
+// to 1.7 times slower for a contiguous f16 cache and 1.5 times for the two-tier Q4 one, on a day
+// of the shared VM with high memory latency (on a faster day, L2 and L1 measured the same). The
+// likely reason: prefetches into L1 hold its few miss buffers for the whole trip to memory, and the
+// demand loads of the rows being worked on wait behind them; from L2, the hardware's L1 prefetcher
+// and the out-of-order window cover the rest of the latency.
+// On Zen 5 and later they are prefetcht2 (locality 1; dense_prefetch_t2, set in dispatch.cpp):
+// measured there at 32k tokens (f16, 8 kv heads x 128, 32 queries, in-process alternation of
+// two caches of one kind, 80 rounds, 4 runs each), prefetcht2 against prefetcht1 made a paged
+// cache (16-token blocks) 1.07-1.13x faster with 1 thread and 1.08-1.09x with 2, a contiguous
+// one 1.04-1.08x and 1.01-1.03x; prefetcht0 1.07-1.16x paged but 0.98-1.03x contiguous;
+// prefetchnta 1.04-1.10x paged. (The int8 Q4 stream, q4_int8.inl, keeps its own choice: prefetcht2
+// measured 0.98-1.05x of its prefetcht0 there.)
 class row_prefetch {
  public:
   row_prefetch(kernels::prefetch_region r, unsigned rows) noexcept {
@@ -25,11 +32,16 @@ class row_prefetch {
   }
   // The lines of `rows` rows of work.
   void rows(unsigned rows) noexcept {
-    for (std::size_t n = per_row_ * rows; n > 0 && at_ < end_; --n, at_ += 64)
-      __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 2);
+    std::size_t n = per_row_ * rows;
+    if (t2_) {
+      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 1);
+    } else {
+      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 2);
+    }
   }
 
  private:
   std::uintptr_t at_ = 0, end_ = 0;
   std::size_t per_row_ = 0;
+  bool t2_ = kernels::dense_prefetch_t2;
 };
