@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -78,6 +79,24 @@ TEST(attend_threads, own_pool_matches_single_thread_over_many_calls) {
     const std::vector<float> got = run(d, params(3), ws3);
     ASSERT_EQ(got, expected) << "call " << call;  // per-row work is identical: bitwise equal
   }
+}
+
+// The pool's workers spin a while between calls before they sleep: calls back to back (workers
+// spinning), calls after an idle pause (workers asleep), calls that use fewer workers than the
+// pool has, and workspaces destroyed while their workers spin or sleep.
+TEST(attend_threads, own_pool_spinning_sleeping_and_partly_used) {
+  const fixture_data d = make_data(14);
+  attention_workspace ws1;
+  const std::vector<float> expected = run(d, params(1), ws1);
+  for (int round = 0; round < 4; ++round) {
+    attention_workspace ws;
+    for (int call = 0; call < 24; ++call) {
+      const unsigned threads = call % 3 == 0 ? 4 : call % 3 == 1 ? 2 : 3;  // the pool grows to 3 helpers
+      ASSERT_EQ(run(d, params(threads), ws), expected) << "round " << round << " call " << call;
+      if (call % 4 == 3) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past the spin
+    }
+    if (round % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }  // each round's workspace is destroyed right after a call (spinning) or after a pause (asleep)
 }
 
 // A tiny engine pool: one std::thread per worker, joined before run() returns.
