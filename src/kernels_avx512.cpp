@@ -193,6 +193,8 @@ const table& get() noexcept {
     if (splits_512bit_operations()) {
       x.scores_f16 = ymm::scores_f16;
       x.scores_f32 = ymm::scores_f32;
+      x.scores_f16_heads = ymm::scores_f16_heads;
+      x.scores_f32_heads = ymm::scores_f32_heads;
     }
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")) {
@@ -213,6 +215,8 @@ const table& other_score_width() noexcept {
     const bool narrow = x.scores_f16 == ymm::scores_f16;
     x.scores_f16 = narrow ? simd_table.scores_f16 : ymm::scores_f16;
     x.scores_f32 = narrow ? simd_table.scores_f32 : ymm::scores_f32;
+    x.scores_f16_heads = narrow ? simd_table.scores_f16_heads : ymm::scores_f16_heads;
+    x.scores_f32_heads = narrow ? simd_table.scores_f32_heads : ymm::scores_f32_heads;
     return x;
   }();
   return t;

@@ -130,6 +130,26 @@ void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t 
   scores_dense(q, nq, k, tokens, head_dim, out, out_stride);
 }
 
+template <class K>
+void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const K* k, std::size_t k_head_stride,
+                        std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim, float* out,
+                        std::size_t out_head_stride, std::size_t out_stride) {
+  for (std::uint32_t h = 0; h < heads; ++h)
+    scores_dense(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim, out + h * out_head_stride, out_stride);
+}
+
+void scores_f16_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k, std::size_t k_head_stride,
+                      std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim, float* out,
+                      std::size_t out_head_stride, std::size_t out_stride, prefetch_region) {  // no prefetch here
+  scores_dense_heads(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride, out_stride);
+}
+
+void scores_f32_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const float* k, std::size_t k_head_stride,
+                      std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim, float* out,
+                      std::size_t out_head_stride, std::size_t out_stride, prefetch_region) {  // no prefetch here
+  scores_dense_heads(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride, out_stride);
+}
+
 void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   const half* scales = q4_key_scales(k, head_dim);
@@ -188,10 +208,15 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 }  // namespace
 
 const table& get() noexcept {
-  static const table t{isa::scalar,     f32_to_f16,      f16_to_f32,     quantize_keys,
-                       dequantize_keys, quantize_values, dequantize_values, scores_f16,
-                       scores_f32,      scores_q4,       accumulate_f16, accumulate_f32,
-                       accumulate_q4};
+  static const table t = [] {
+    table x{isa::scalar,     f32_to_f16,      f16_to_f32,     quantize_keys,
+            dequantize_keys, quantize_values, dequantize_values, scores_f16,
+            scores_f32,      scores_q4,       accumulate_f16, accumulate_f32,
+            accumulate_q4};
+    x.scores_f16_heads = scores_f16_heads;
+    x.scores_f32_heads = scores_f32_heads;
+    return x;
+  }();
   return t;
 }
 

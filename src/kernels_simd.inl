@@ -652,7 +652,12 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 }
 
 // The table of this ISA.
-constexpr table simd_table{V::which,       f32_to_f16,      f16_to_f32,        quantize_keys,
-                           dequantize_keys, quantize_values, dequantize_values, scores_f16,
-                           scores_f32,      scores_q4,       accumulate_f16,    accumulate_f32,
-                           accumulate_q4};
+constexpr table simd_table = [] {
+  table x{V::which,       f32_to_f16,      f16_to_f32,        quantize_keys,
+          dequantize_keys, quantize_values, dequantize_values, scores_f16,
+          scores_f32,      scores_q4,       accumulate_f16,    accumulate_f32,
+          accumulate_q4};
+  x.scores_f16_heads = scores_f16_heads;
+  x.scores_f32_heads = scores_f32_heads;
+  return x;
+}();

@@ -87,20 +87,25 @@ void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* 
   }
 }
 
+// Token tiles of one head small enough to stay in L1 while the query passes loop over them.
 template <class K>
-void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
-                  std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
-  // The region is spread over all the work, every row of every query pass, as a steady stream of
-  // requests rather than a burst (see all_blocks in attend_avx512.cpp).
-  row_prefetch pf(region, tokens * ((nq + V::score_queries - 1) / V::score_queries));
-  // Token tiles small enough to stay in L1 while the query passes loop over them.
-  const unsigned tile = umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
+unsigned score_token_tile(std::uint32_t head_dim) {
+  return umax(8u, 16384u / umax(1u, head_dim * unsigned(sizeof(K))));
+}
+
+// Row passes over the keys for nq queries (at most V::score_queries each).
+inline unsigned score_passes(std::uint32_t nq) { return (nq + V::score_queries - 1) / V::score_queries; }
+
+// The scores of one head, in tiles of `tile` tokens; pf advances with the rows.
+template <class K>
+void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens, std::uint32_t head_dim,
+                 float* out, std::size_t out_stride, unsigned tile, row_prefetch& pf) {
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
     const unsigned nt = umin(tile, tokens - t0);
     // Queries in balanced passes of at most V::score_queries (6 = 3 + 3 rather than 4 + 2).
     for (unsigned i0 = 0; i0 < nq;) {
-      const unsigned rest = nq - i0, passes = (rest + V::score_queries - 1) / V::score_queries;
-      const unsigned n = (rest + passes - 1) / passes;
+      const unsigned rest = nq - i0, passes = score_passes(rest);
+      const unsigned n = passes == 1 ? rest : (rest + passes - 1) / passes;
       const float* qi = q + std::size_t(i0) * head_dim;
       const K* kt = k + std::size_t(t0) * head_dim;
       float* o = out + i0 * out_stride + t0;
@@ -117,6 +122,39 @@ void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t to
       }
     }
   }
+}
+
+template <class K>
+void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
+                  std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
+  // The region is spread over all the work, every row of every query pass, as a steady stream of
+  // requests rather than a burst (see all_blocks in attend_avx512.cpp).
+  row_prefetch pf(region, tokens * score_passes(nq));
+  scores_head(q, nq, k, tokens, head_dim, out, out_stride, score_token_tile<K>(head_dim), pf);
+}
+
+// scores_dense of `heads` heads in one call (table::scores_f16_heads).
+template <class K>
+void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const K* k,
+                        std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim,
+                        float* out, std::size_t out_head_stride, std::size_t out_stride, prefetch_region region) {
+  row_prefetch pf(region, heads * tokens * score_passes(nq));
+  const unsigned tile = score_token_tile<K>(head_dim);
+  for (std::uint32_t h = 0; h < heads; ++h)
+    scores_head(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim, out + h * out_head_stride,
+                out_stride, tile, pf);
+}
+
+void scores_f16_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k,
+                      std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim,
+                      float* out, std::size_t out_head_stride, std::size_t out_stride, prefetch_region pf) {
+  scores_dense_heads(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride, out_stride, pf);
+}
+
+void scores_f32_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const float* k,
+                      std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim,
+                      float* out, std::size_t out_head_stride, std::size_t out_stride, prefetch_region pf) {
+  scores_dense_heads(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride, out_stride, pf);
 }
 
 void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,

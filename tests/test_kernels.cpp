@@ -439,6 +439,64 @@ void check_scores_dense(const kernels::table& t, std::mt19937_64& rng, bool f16)
       }
 }
 
+// scores_f16_heads / scores_f32_heads: several heads in one call, with gaps between the heads'
+// queries, keys and scores, give exactly what one scores_f16 / scores_f32 call per head gives
+// (which check_scores_dense holds to the float64 reference), and write nothing else.
+template <class K>
+void check_scores_dense_heads(const kernels::table& t, std::mt19937_64& rng, bool f16) {
+  ASSERT_TRUE(f16 ? t.scores_f16_heads != nullptr : t.scores_f32_heads != nullptr);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 3u, 4u, 5u, 8u})
+      for (std::uint32_t heads : {1u, 2u, 3u, 8u})
+        for (std::uint32_t tokens : {0u, 1u, 3u, 15u, 16u, 17u, 33u}) {
+          SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " heads=", heads, " tokens=", tokens));
+          const std::size_t qs = std::size_t{nq} * hd + 7, ks = std::size_t{tokens} * hd + 5, os = tokens + 3,
+                            ohs = nq * os + 11;
+          std::vector<float> q(heads * qs + 1);
+          for (float& x : q) x = nd(rng);
+          std::vector<K> k(heads * ks + 1);
+          for (K& x : k) {
+            if constexpr (std::is_same_v<K, half>) x = kvcache::to_half(nd(rng) * 3.0f);
+            else x = nd(rng) * 3.0f;
+          }
+          const float guard = -12345.0f;
+          std::vector<float> got(heads * ohs + 2, guard), want(got.size(), guard);
+          const std::vector<K> next(heads * ks + 3);
+          const kvcache::kernels::prefetch_region region{next.data() + 1, (next.size() - 1) * sizeof(K)};
+          if (f16)
+            t.scores_f16_heads(q.data() + 1, qs, nq, reinterpret_cast<const half*>(k.data() + 1), ks, heads, tokens, hd,
+                               got.data() + 1, ohs, os, region);
+          else
+            t.scores_f32_heads(q.data() + 1, qs, nq, reinterpret_cast<const float*>(k.data() + 1), ks, heads, tokens, hd,
+                               got.data() + 1, ohs, os, region);
+          for (std::uint32_t h = 0; h < heads; ++h) {
+            if (f16)
+              t.scores_f16(q.data() + 1 + h * qs, nq, reinterpret_cast<const half*>(k.data() + 1 + h * ks), tokens, hd,
+                           want.data() + 1 + h * ohs, os, {});
+            else
+              t.scores_f32(q.data() + 1 + h * qs, nq, reinterpret_cast<const float*>(k.data() + 1 + h * ks), tokens, hd,
+                           want.data() + 1 + h * ohs, os, {});
+          }
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+              << "not the scores of one call per head (or a write outside them)";
+          for (std::uint32_t h = 0; h < heads; ++h)
+            for (std::uint32_t i = 0; i < nq; ++i)
+              for (std::size_t tt = tokens; tt < os; ++tt) ASSERT_EQ(got[1 + h * ohs + i * os + tt], guard);
+          ASSERT_EQ(got[0], guard);
+          ASSERT_EQ(got.back(), guard);
+        }
+}
+
+TEST_P(Kernels, ScoresHeadsF16) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense_heads<half>(*t_, rng_, true);
+}
+TEST_P(Kernels, ScoresHeadsF32) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense_heads<float>(*t_, rng_, false);
+}
+
 TEST_P(Kernels, ScoresF16) {
   KVCACHE_SEED_TRACE();
   check_scores_dense<half>(*t_, rng_, true);
@@ -459,9 +517,13 @@ TEST_P(Kernels, ScoresOtherWidth) {
   ASSERT_NE(other, nullptr);
   EXPECT_NE(other->scores_f16, t_->scores_f16);
   EXPECT_NE(other->scores_f32, t_->scores_f32);
+  EXPECT_NE(other->scores_f16_heads, t_->scores_f16_heads);
+  EXPECT_NE(other->scores_f32_heads, t_->scores_f32_heads);
   EXPECT_EQ(other->accumulate_f16, t_->accumulate_f16);
   check_scores_dense<half>(*other, rng_, true);
   check_scores_dense<float>(*other, rng_, false);
+  check_scores_dense_heads<half>(*other, rng_, true);
+  check_scores_dense_heads<float>(*other, rng_, false);
 }
 
 template <class V>

@@ -124,6 +124,19 @@ struct table {
   void (*attend_q4)(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                     std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
                     prefetch_region pf) = nullptr;
+
+  /// scores_f16 / scores_f32 of `heads` kv heads in one call, as a paged block holds them side by
+  /// side: head j's queries at q + j * q_head_stride floats, its keys at k + j * k_head_stride
+  /// elements, its scores at out + j * out_head_stride floats; pf spread over all of them. The
+  /// same results as one call per head.
+  void (*scores_f16_heads)(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k,
+                           std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens,
+                           std::uint32_t head_dim, float* out, std::size_t out_head_stride, std::size_t out_stride,
+                           prefetch_region pf) = nullptr;
+  void (*scores_f32_heads)(const float* q, std::size_t q_head_stride, std::uint32_t nq, const float* k,
+                           std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens,
+                           std::uint32_t head_dim, float* out, std::size_t out_head_stride, std::size_t out_stride,
+                           prefetch_region pf) = nullptr;
 };
 
 /// The table of the active ISA (see isa.hpp).
