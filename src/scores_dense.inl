@@ -124,20 +124,13 @@ void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tok
   }
 }
 
-template <class K>
-void scores_dense(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens,
-                  std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
-  // The region is spread over all the work, every row of every query pass, as a steady stream of
-  // requests rather than a burst (see all_blocks in attend_avx512.cpp).
-  row_prefetch pf(region, tokens * score_passes(nq));
-  scores_head(q, nq, k, tokens, head_dim, out, out_stride, score_token_tile<K>(head_dim), pf);
-}
-
-// scores_dense of `heads` heads in one call (table::scores_f16_heads).
+// The scores of `heads` heads (table::scores_f16_heads; one head: table::scores_f16).
 template <class K>
 void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const K* k,
                         std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim,
                         float* out, std::size_t out_head_stride, std::size_t out_stride, prefetch_region region) {
+  // The region is spread over all the work, every row of every query pass, as a steady stream of
+  // requests rather than a burst (see all_blocks in attend_avx512.cpp).
   row_prefetch pf(region, heads * tokens * score_passes(nq));
   const unsigned tile = score_token_tile<K>(head_dim);
   for (std::uint32_t h = 0; h < heads; ++h)
@@ -159,10 +152,10 @@ void scores_f32_heads(const float* q, std::size_t q_head_stride, std::uint32_t n
 
 void scores_f16(const float* q, std::uint32_t nq, const half* k, std::uint32_t tokens,
                 std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
-  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
+  scores_dense_heads(q, 0, nq, k, 0, 1, tokens, head_dim, out, 0, out_stride, pf);
 }
 
 void scores_f32(const float* q, std::uint32_t nq, const float* k, std::uint32_t tokens,
                 std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
-  scores_dense(q, nq, k, tokens, head_dim, out, out_stride, pf);
+  scores_dense_heads(q, 0, nq, k, 0, 1, tokens, head_dim, out, 0, out_stride, pf);
 }
