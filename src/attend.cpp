@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cassert>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -146,6 +147,7 @@ struct call {
   std::uint32_t kv_heads, head_dim, group, tile;
   std::uint32_t heads_per_task, tasks_per_seq;
   std::uint32_t parts;   // token ranges per sequence (tasks_per_seq = parts * head runs)
+  std::uint32_t seqs;    // sequences
   const cursor* bounds;  // [sequence][parts + 1]: where each part starts and ends
   float* partial;        // [sequence][part][kv head][partial_floats], when parts > 1
   float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
@@ -212,10 +214,11 @@ constexpr std::size_t prefetch_limit = 16384;  // bytes of one head's keys in a 
 // Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
 bool prefetchable(const chunk& a, std::uint32_t hd) { return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit; }
 
-// The chunk to prefetch when chunk ci starts, or nullptr.
-const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t hd) {
+// The chunk to prefetch when chunk ci starts, or nullptr; none from chunk `end` on (where the
+// task's range ends: what follows is another task's).
+const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t end, std::uint32_t hd) {
   const std::uint32_t d = std::max<std::uint32_t>(1, prefetch_tokens / std::max<std::uint32_t>(view.chunks[ci].tokens, 1));
-  if (ci + d >= view.count) return nullptr;
+  if (ci + d >= end) return nullptr;
   const chunk& a = view.chunks[ci + d];
   return prefetchable(a, hd) ? &a : nullptr;
 }
@@ -309,32 +312,66 @@ kernels::prefetch_region next_rows(const std::byte* base, std::size_t row, std::
   return {base + static_cast<std::size_t>(from) * row, static_cast<std::size_t>(count) * row};
 }
 
-// The chunk after chunk ci that has tokens, or nullptr.
-const chunk* following(const layer_view& view, std::uint32_t ci) {
-  for (std::uint32_t j = ci + 1; j < view.count; ++j)
-    if (view.chunks[j].tokens > 0) return &view.chunks[j];
-  return nullptr;
-}
+// No head: a task's last head has no successor to prefetch.
+constexpr std::uint32_t no_head = ~0u;
+
+// What a kernel reading rows of one chunk finds after them: the chunk's rows up to `until` (where
+// the task's range ends in it), then the first rows of chunk `next` (null: none), head `head`, from
+// token `from`.
+struct onward {
+  std::uint32_t until = 0;
+  const chunk* next = nullptr;
+  std::uint32_t head = 0, from = 0;
+};
+
+// The tokens one run_heads call reads of a view: from cursor b up to (not including) cursor e,
+// chunks [b.ci, end). next_head: the kv head the task reads next over the same tokens (head by
+// head), or no_head.
+struct task_range {
+  const layer_view* view;
+  cursor b, e;
+  std::uint32_t end;
+  std::uint32_t next_head;
+
+  task_range(const layer_view& v, cursor from, cursor to, std::uint32_t next)
+      : view(&v), b(from), e(to), end(to.off > 0 ? to.ci + 1 : to.ci), next_head(next) {}
+  // Tokens of chunk ci in the range (from 0: where b.off lies is the caller's business).
+  [[nodiscard]] std::uint32_t tokens_of(std::uint32_t ci) const { return ci == e.ci ? e.off : view->chunks[ci].tokens; }
+  // What follows chunk ci for head h: the next chunk of the range with tokens (head h, from 0); at
+  // the range's end, its first rows for next_head, which this task reads next (a part of a split
+  // sequence ends inside a chunk: the rows after it are another task's, and the next head's first
+  // tile would start cold).
+  [[nodiscard]] onward after(std::uint32_t ci, std::uint32_t h) const {
+    for (std::uint32_t j = ci + 1; j < end; ++j)
+      if (tokens_of(j) > 0) return {tokens_of(ci), &view->chunks[j], h, 0};
+    if (next_head == no_head) return {tokens_of(ci), nullptr, 0, 0};
+    for (std::uint32_t j = b.ci, from = b.off; j < end; ++j, from = 0)
+      if (tokens_of(j) > from) return {tokens_of(ci), &view->chunks[j], next_head, from};
+    return {tokens_of(ci), nullptr, 0, 0};
+  }
+};
 
 // The rows of head h (keys, or values) a kernel prefetches while it works on rows [off, off + n) of
-// chunk ch: the chunk's next n rows, or at its end the first n rows of the following chunk fol
-// (null: none) where that is dense. A large chunk's successor (a big paged block, the two-tier
-// tail) starts where the hardware prefetchers have not been.
-kernels::prefetch_region ahead_rows(const chunk& ch, const chunk* fol, bool values, std::uint32_t h, std::uint32_t hd,
+// chunk ch: the chunk's next n rows as far as the range goes (o.until), or at its end the first n
+// rows that follow (o.next) where those are dense. A large chunk's successor (a big paged block,
+// the two-tier tail) starts where the hardware prefetchers have not been.
+kernels::prefetch_region ahead_rows(const chunk& ch, const onward& o, bool values, std::uint32_t h, std::uint32_t hd,
                                     std::uint32_t off, std::uint32_t n) {
   const format f = values ? ch.v_format : ch.k_format;
   const std::size_t row = hd * dense_element_bytes(f);
-  const kernels::prefetch_region r = next_rows(values ? ch.v_head(h) : ch.k_head(h), row, ch.tokens, off, n);
-  if (r.bytes != 0 || off + n < ch.tokens || fol == nullptr) return r;
-  const format ff = values ? fol->v_format : fol->k_format;
+  const kernels::prefetch_region r = next_rows(values ? ch.v_head(h) : ch.k_head(h), row, o.until, off, n);
+  if (r.bytes != 0 || off + n < o.until || o.next == nullptr) return r;
+  const chunk& fol = *o.next;
+  const format ff = values ? fol.v_format : fol.k_format;
   if (ff == format::q4) return {};
-  return {values ? fol->v_head(h) : fol->k_head(h), std::min(n, fol->tokens) * hd * dense_element_bytes(ff)};
+  const std::size_t frow = hd * dense_element_bytes(ff);
+  return {(values ? fol.v_head(o.head) : fol.k_head(o.head)) + o.from * frow, std::min(n, fol.tokens - o.from) * frow};
 }
 
 // Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile). A dense kernel
 // prefetches the share of the stream pf while it runs, or else the chunk's next rows of the head
 // (at its end, the first rows of the following chunk fol).
-void score_chunk(const call& c, const chunk& ch, const chunk* fol, std::uint32_t h, std::uint32_t off, std::uint32_t n,
+void score_chunk(const call& c, const chunk& ch, const onward& fol, std::uint32_t h, std::uint32_t off, std::uint32_t n,
                  const float* qf, float* s, prefetch_stream& pf) {
   const kernels::table& kt = *c.kt;
   const std::uint32_t g = c.group, hd = c.head_dim;
@@ -387,8 +424,9 @@ bool score_heads(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t
 // all the tile's chunks is one call that keeps its accumulators in registers. While the prefetch
 // stream pf runs (small chunks, whose rows it has prefetched), each kernel call takes as many of
 // its lines as the call reads; otherwise a dense kernel prefetches its next rows (ahead_rows).
-void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
+void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
+  const layer_view& view = *range.view;
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   // Lines of the values of n tokens of chunk ch.
   auto lines_read = [hd](const chunk& ch, std::uint32_t n) {
@@ -409,7 +447,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
       const std::uint32_t n = std::min(filled - done, ch.tokens - o);
       fused = ch.v_format == vf;
       segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
-      next = ahead_rows(ch, following(view, cj), true, h, hd, o, n);
+      next = ahead_rows(ch, range.after(cj, h), true, h, hd, o, n);
       lines += lines_read(ch, n);
       done += n;
     }
@@ -427,7 +465,7 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
     const kernels::prefetch_region ahead = pf.active() ? pf.take(lines_read(ch, n))
                                            : ch.v_format == format::q4
                                                ? kernels::prefetch_region{}
-                                               : ahead_rows(ch, following(view, cj), true, h, hd, o, n);
+                                               : ahead_rows(ch, range.after(cj, h), true, h, hd, o, n);
     switch (ch.v_format) {
       case format::f16:
         kt.accumulate_f16(p, tile, g, reinterpret_cast<const half*>(vb) + static_cast<std::size_t>(o) * hd, n, hd, acc,
@@ -455,13 +493,16 @@ void accumulate_tile(const call& c, const layer_view& view, std::uint32_t h, std
 // tile of its own: one call per head does its scores, softmax step and values.
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
 // where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
+// next_head: the head the task reads next over the same tokens (its first rows are prefetched at
+// the end of this one's), or no_head.
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
-               cursor b, cursor e, float* partial, std::uint32_t limit) {
+               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
-  const std::uint32_t end = e.off > 0 ? e.ci + 1 : e.ci;  // chunks [b.ci, end) hold the range
-  auto tokens_of = [&](std::uint32_t ci) { return ci == e.ci ? e.off : view.chunks[ci].tokens; };
+  const task_range range(view, b, e, next_head);
+  const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
+  auto tokens_of = [&](std::uint32_t ci) { return range.tokens_of(ci); };
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb; ++h) {
@@ -501,9 +542,15 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         for (std::uint32_t j = 0; j < n; ++j) {
           const chunk& cj = view.chunks[ci + j];
           lines += lines_of(key_head_bytes(cj, hd)) + lines_of(value_head_bytes(cj, hd));
-          if (ci + n + j < end) {
-            const chunk& a = view.chunks[ci + n + j];
+          const std::uint32_t ai = ci + n + j;
+          if (ai < end) {
+            const chunk& a = view.chunks[ai];
             if (is_q4_group(a) && prefetchable(a, hd)) pf.queue(a, ha, hb, hd);
+          } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
+            // The range's last tile: the next head's first one instead (which starts with a
+            // whole group where the range does).
+            const chunk& a = view.chunks[b.ci + (ai - end)];
+            if (is_q4_group(a) && prefetchable(a, hd)) pf.queue(a, next_head, next_head + 1, hd);
           }
         }
         for (std::uint32_t h = ha; h < hb; ++h) {
@@ -523,15 +570,14 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > limit) break;
       const std::uint32_t n = std::min(limit - filled, ch_tokens - off);
-      const chunk* fol = following(view, ci);
       if (off == 0) {
-        const chunk* ahead = chunk_ahead(view, ci, hd);
+        const chunk* ahead = chunk_ahead(view, ci, end, hd);
         if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
       }
       if (!score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled, pf))
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
-          score_chunk(c, ch, fol, h, off, n, hs.qf, hs.s + filled, pf);
+          score_chunk(c, ch, range.after(ci, h), h, off, n, hs.qf, hs.s + filled, pf);
         }
       filled += n;
       if (off + n < ch_tokens) {  // the tile is full inside this chunk
@@ -545,7 +591,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
-      accumulate_tile(c, view, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf);
+      accumulate_tile(c, range, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf);
     }
   }
 
@@ -586,10 +632,13 @@ bool head_by_head(const layer_view& view, std::uint32_t hd) {
 // (head_by_head). A split sequence's task is one part of its tokens (parts > 1) and a run of its
 // kv heads.
 void run_task(const call& c, std::size_t task, unsigned worker) {
-  const std::size_t seq = task / c.tasks_per_seq;
-  const std::uint32_t in_seq = static_cast<std::uint32_t>(task % c.tasks_per_seq);
-  const std::uint32_t part = in_seq % c.parts;
-  const std::uint32_t h0 = in_seq / c.parts * c.heads_per_task;
+  // Tasks run part by part (every sequence's first part, then every sequence's second, ...), so
+  // that the large first parts of a guided split are handed out first.
+  const std::uint32_t runs = c.tasks_per_seq / c.parts;
+  const std::size_t per_part = static_cast<std::size_t>(c.seqs) * runs;
+  const auto part = static_cast<std::uint32_t>(task / per_part);
+  const std::size_t seq = task % per_part / runs;
+  const std::uint32_t h0 = static_cast<std::uint32_t>(task % runs) * c.heads_per_task;
   const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
   float* base = c.scratch + worker * c.worker_stride;
   const layer_view& view = c.views[seq];
@@ -604,19 +653,35 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   if (head_by_head(view, c.head_dim)) {
     const std::uint32_t limit = large_tile(view);
     for (std::uint32_t h = h0; h < h1; ++h)
-      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit);
+      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit,
+                h + 1 < h1 ? h + 1 : no_head);
   } else {
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, max_tile);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, max_tile, no_head);
   }
 }
 
-// Where the `parts` parts of a view start and end (parts + 1 cursors): near-equal token counts,
-// a Q4 key chunk (scored whole) going whole to the part where most of it falls.
-void split_view(const layer_view& view, std::uint32_t parts, cursor* bounds) {
+// Cumulative weight of parts [0, j) of a sequence's split for `w` workers a sequence: levels 0,
+// parts of weight 1 (equal parts); levels >= 2, a guided split (split_tasks), w << levels in all:
+// w parts of weight 2^(levels - 1), w of half that, and so on down to 2, then 2 w of weight 1.
+std::uint64_t weight_before(std::uint32_t j, std::uint32_t w, std::uint32_t levels) {
+  std::uint64_t sum = 0;
+  for (std::uint32_t k = 0; k + 1 < levels && j > 0; ++k) {
+    const std::uint32_t n = std::min(j, w);
+    sum += std::uint64_t{n} << (levels - 1 - k);
+    j -= n;
+  }
+  return sum + j;
+}
+
+// Where the `parts` parts of a view start and end (parts + 1 cursors): token counts in proportion
+// to their weights (weight_before), a Q4 key chunk (scored whole) going whole to the part where
+// most of it falls.
+void split_view(const layer_view& view, std::uint32_t parts, std::uint32_t w, std::uint32_t levels, cursor* bounds) {
+  const std::uint64_t total = weight_before(parts, w, levels);
   bounds[0] = {0, 0};
   std::uint32_t ci = 0, pos = 0;  // chunk ci starts at token pos
   for (std::uint32_t j = 1; j < parts; ++j) {
-    const auto target = static_cast<std::uint32_t>(static_cast<std::uint64_t>(view.tokens) * j / parts);
+    const auto target = static_cast<std::uint32_t>(view.tokens * weight_before(j, w, levels) / total);
     while (ci < view.count && pos + view.chunks[ci].tokens <= target) pos += view.chunks[ci++].tokens;
     cursor at{ci, target - pos};
     if (ci < view.count && at.off > 0 && view.chunks[ci].k_format == format::q4)
@@ -660,28 +725,43 @@ void merge(const call& c, std::size_t seqs) {
 // Fewest tokens of a part of a split sequence.
 constexpr std::uint32_t min_part_tokens = 512;
 
+// Most levels of a guided split (split_tasks), and the fewest tokens of its smallest parts.
+constexpr std::uint32_t max_levels = 3;
+constexpr std::uint32_t min_guided_tokens = 2048;
+
 // How a call's sequences are cut into tasks: one per sequence (all its kv heads, so that each
 // chunk's K and V are read as one stream) when there are at least as many sequences as workers;
 // else each sequence's tokens are split into parts (each read with all its kv heads, merged after)
 // and, where the views are too short for enough parts, its kv heads into runs, so that every
 // worker gets a task.
+// Long sequences are split guided: for w workers a sequence, w parts of a quarter of its tokens
+// each, then w of an eighth, then 2 w of a sixteenth (levels 3; fewer where the smallest would
+// fall under min_guided_tokens), handed out largest first. Workers that run at different speeds
+// (the vCPUs of a shared machine, cores of two kinds) then end within one small part of each
+// other, where equal parts made the step wait for the slowest worker's whole share.
 struct task_split {
-  std::uint32_t parts = 1, heads_per_task = 0;
+  std::uint32_t parts = 1, heads_per_task = 0, workers_per_seq = 1, levels = 0;
 };
 task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, unsigned workers) {
   const std::size_t seqs = views.size();
-  if (seqs >= workers) return {1, kv_heads};
+  if (seqs >= workers) return {1, kv_heads, 1, 0};
   const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
   std::uint32_t longest = 0;
   for (const layer_view& v : views) longest = std::max(longest, v.tokens);
-  const std::uint32_t parts = std::clamp<std::uint32_t>(longest / min_part_tokens, 1, want);
+  std::uint32_t parts = std::clamp<std::uint32_t>(longest / min_part_tokens, 1, want), levels = 0;
+  if (parts == want)
+    for (std::uint32_t l = max_levels; l >= 2 && levels == 0; --l)
+      if (longest / (std::uint64_t{want} << l) >= min_guided_tokens) levels = l;
+  if (levels > 0) parts = want * (levels + 1);
   const std::uint32_t runs = std::min(kv_heads, (want + parts - 1) / parts);
-  return {parts, (kv_heads + runs - 1) / runs};
+  return {parts, (kv_heads + runs - 1) / runs, want, levels};
 }
 
-// Bound on parts * sequences for `workers` workers (parts <= ceil(workers / seqs), seqs < workers):
-// below 2 workers; none for one worker.
-std::size_t max_parts(unsigned workers) { return workers < 2 ? 0 : 2 * static_cast<std::size_t>(workers); }
+// Bound on parts * sequences for `workers` workers (parts <= ceil(workers / seqs) * (max_levels +
+// 1), seqs < workers): below 2 workers; none for one worker.
+std::size_t max_parts(unsigned workers) {
+  return workers < 2 ? 0 : 2 * static_cast<std::size_t>(workers) * (max_levels + 1);
+}
 
 }  // namespace
 
@@ -883,11 +963,13 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #endif
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
   const task_split split = split_tasks(views, p.kv_heads, workers);
+  assert(split.parts == 1 || views.size() * split.parts <= max_parts(workers));  // what reserve() provided
   const std::uint32_t hpt = split.heads_per_task;
   const std::uint32_t tasks_per_seq = split.parts * ((p.kv_heads + hpt - 1) / hpt);
   cursor* bounds = ws.impl_->bounds.get();
   if (split.parts > 1)
-    for (std::size_t s = 0; s < views.size(); ++s) split_view(views[s], split.parts, bounds + s * (split.parts + 1));
+    for (std::size_t s = 0; s < views.size(); ++s)
+      split_view(views[s], split.parts, split.workers_per_seq, split.levels, bounds + s * (split.parts + 1));
   decltype(call::fused_values) fused_values = nullptr;
   [[maybe_unused]] const bool fused_group = group == 1 || group == 2 || group == 4 || group == 8;
 #if defined(KVCACHE_HAVE_AVX2)
@@ -899,7 +981,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
     fused_values = detail::attend_avx512::accumulate_segments;
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
-               hpt, tasks_per_seq, split.parts, bounds, ws.impl_->partial.get(), scale * log2e,
+               hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
                ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get()};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
