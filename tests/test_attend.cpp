@@ -809,6 +809,46 @@ TEST_P(attend_isa, over_every_real_cache) {
 INSTANTIATE_TEST_SUITE_P(isas, attend_isa, ::testing::ValuesIn(supported_isas()),
                          [](const ::testing::TestParamInfo<isa>& i) { return std::string(kvcache::to_string(i.param)); });
 
+// At least as many sequences as workers: views read head by head (one contiguous chunk, the
+// two-tier layout) are cut into runs of kv heads, 4 tasks a worker at least; paged blocks (read
+// all heads together) stay one task a sequence. Each head's sums are the same whichever task
+// reads it: bitwise equal to one thread.
+TEST(attend, batch_read_head_by_head_is_cut_into_runs_of_heads) {
+  std::mt19937 rng(8);
+  const shape s{8, 4, 64};
+  const std::vector<std::uint32_t> lengths = {300, 40, 1000};
+  const auto reversed = [](void* pl, std::size_t count, kvcache::parallel_for::task_fn task, void* ctx) {
+    auto& sn = *static_cast<std::vector<std::size_t>*>(pl);
+    for (std::size_t i = count; i-- > 0;) {
+      sn.push_back(i);
+      task(ctx, i, static_cast<unsigned>(i % 2));
+    }
+  };
+  // 3 sequences, 2 workers: runs of 2 kv heads (2 runs a sequence, 6 tasks); paged: 3 tasks.
+  for (const auto& [p, tasks] : {std::pair{pattern::contiguous_f16, 6u}, std::pair{pattern::two_tier, 6u},
+                                 std::pair{pattern::paged16_f16, 3u}}) {
+    std::vector<built_view> built;
+    std::vector<layer_view> lv;
+    for (std::uint32_t n : lengths)
+      built.push_back(build(random_kv(rng, s.kv_heads, s.head_dim, n), chunking(p, n, rng), p == pattern::two_tier));
+    for (const built_view& b : built) lv.push_back(b.view());
+    const std::vector<float> q = random_q(rng, lengths.size() * s.q_heads * s.head_dim, 1.0f);
+    std::vector<float> one(q.size()), pooled(q.size()), own(q.size());
+    attention_workspace ws;
+    attention_params ap{s.q_heads, s.kv_heads, s.head_dim, 0.0f, 1, {}};
+    ASSERT_TRUE(kvcache::attend(ap, lv, q, one, ws).has_value());
+    std::vector<std::size_t> seen;
+    attention_params engine = ap;
+    engine.pool = kvcache::parallel_for{reversed, &seen, 2};
+    ASSERT_TRUE(kvcache::attend(engine, lv, q, pooled, ws).has_value());
+    EXPECT_EQ(seen.size(), tasks) << name(p);
+    EXPECT_EQ(0, std::memcmp(one.data(), pooled.data(), one.size() * sizeof(float))) << name(p);
+    ap.threads = 2;
+    ASSERT_TRUE(kvcache::attend(ap, lv, q, own, ws).has_value());
+    EXPECT_EQ(0, std::memcmp(one.data(), own.data(), one.size() * sizeof(float))) << name(p);
+  }
+}
+
 TEST(attend, empty_views_give_zero_rows_and_no_sequences_is_fine) {
   std::mt19937 rng(1);
   const built_view full = build(random_kv(rng, 2, 16, 5), {{5, format::f16, format::f16, 5}});

@@ -82,12 +82,17 @@ class attention_workspace {
 ///   out[s][j] = sum_t softmax_t(scale * q[s][j] . k_h[t]) * v_h[t]   over all tokens of views[s].
 /// // q [sequence][q_head][head_dim] f32, out [sequence][q_head][head_dim] f32
 /// A view with no tokens yields a zero output row. One task per sequence (all its kv heads, so
-/// each chunk's K and V are read as one stream). With fewer sequences than workers, each
-/// sequence's tokens are split into parts of at least 512 tokens (Q4 key groups kept whole),
-/// each read by one task with all the sequence's kv heads, and their partial softmax results
-/// merged on the calling thread; sequences too short for enough parts are split into runs of kv
-/// heads as well. Results then differ from a single thread's by float rounding (the sums are
-/// ordered differently); for a given thread count (or pool.workers) they are reproducible.
+/// each chunk's K and V are read as one stream); with several workers, a batch whose views are
+/// read head by head (contiguous and two-tier caches) is cut into runs of kv heads, at least 4
+/// tasks a worker, so that sequences of unequal lengths share the workers evenly. With fewer
+/// sequences than workers, each sequence's tokens are split into parts of at least 512 tokens
+/// (Q4 key groups kept whole; long sequences in parts of decreasing size, the largest handed
+/// out first, so that workers of unequal speed end together), each read by one task with all
+/// the sequence's kv heads, and their partial softmax results merged on the calling thread;
+/// sequences too short for enough parts are split into runs of kv heads as well. Results then
+/// differ from a single thread's by float rounding (the sums are ordered differently); for a
+/// given thread count (or pool.workers) they are reproducible. Runs of kv heads alone change
+/// nothing: each head's sums are the same.
 /// Errors (nothing is written to `out`): errc::invalid_argument for a zero dimension, q_heads not
 /// a multiple of kv_heads, threads == 0 or a pool with workers == 0; errc::bad_shape for q or out
 /// of the wrong size, a view whose chunk token counts do not add up, a null chunk pointer, a Q4
