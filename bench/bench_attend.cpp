@@ -181,6 +181,54 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   state.counters["two_tier_over_f16"] = seconds[0] / seconds[2];
 }
 
+// BM_attend_batch/<cache>/<isa>/<batch>/t:<threads>: one decode step of a batch of sequences
+// (3x8k: three of 8192 tokens; ragged: 12288, 2048, 3072 and 1024), contiguous f16 or two-tier Q4,
+// each sequence its own query row. A batch not a multiple of the thread count, or of unequal
+// lengths, is where whole-sequence tasks leave a worker idle (attend cuts such a batch into runs
+// of kv heads): compare t:2 with t:1 of the same batch. Bytes processed: the K+V bytes of all views.
+template <class C>
+void attend_batch(benchmark::State& state, C& cache, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
+  std::vector<layer_view> views;
+  std::size_t bytes = 0;
+  for (std::size_t n : lengths) {
+    const std::optional<layer_view> v = filled_view(cache, n);
+    if (!v) return state.SkipWithError("cache fill failed");
+    views.push_back(*v);
+    bytes += view_bytes(*v);
+  }
+  std::vector<float> q(lengths.size() * q_heads * head_dim), out(q.size());
+  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
+  attention_workspace ws;
+  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
+  if (!ws.reserve(p)) return state.SkipWithError("workspace");
+  for (auto _ : state) {
+    const result<void> r = attend(p, views, q, out, ws);
+    if (!r) {
+      state.SkipWithError(r.error().message.c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps of the batch
+}
+
+void batch_contiguous(benchmark::State& state, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
+  std::size_t longest = 0;
+  for (std::size_t n : lengths) longest = std::max(longest, n);
+  auto c = contiguous_cache<>::create({shape, format::f16, lengths.size(), longest});
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  attend_batch(state, *c, which, lengths, threads);
+}
+void batch_two_tier(benchmark::State& state, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
+  auto c = make_two_tier();
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  attend_batch(state, *c, which, lengths, threads);
+}
+
 const bool registered = [] {
   using fn = void (*)(benchmark::State&, isa, std::size_t, unsigned);
   const struct {
@@ -202,6 +250,19 @@ const bool registered = [] {
                                    "/ctx:" + std::to_string(tokens) + "/t:" + std::to_string(threads);
           benchmark::RegisterBenchmark(name.c_str(), [f = c.f, i, tokens, threads](benchmark::State& st) {
             f(st, i, tokens, threads);
+          })->UseRealTime()->Unit(benchmark::kMicrosecond);
+        }
+    using batch_fn = void (*)(benchmark::State&, isa, const std::vector<std::size_t>&, unsigned);
+    for (const auto& [cache, bf] : {std::pair<const char*, batch_fn>{"contiguous/f16", batch_contiguous},
+                                    std::pair<const char*, batch_fn>{"two_tier/q4", batch_two_tier}})
+      for (const auto& [batch, lengths] :
+           {std::pair<const char*, std::vector<std::size_t>>{"3x8k", {8192, 8192, 8192}},
+            std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}}})
+        for (unsigned threads : {1u, 2u}) {
+          const std::string name = std::string("BM_attend_batch/") + cache + "/" + std::string(to_string(i)) + "/" +
+                                   batch + "/t:" + std::to_string(threads);
+          benchmark::RegisterBenchmark(name.c_str(), [bf, i, lengths, threads](benchmark::State& st) {
+            bf(st, i, lengths, threads);
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
         }
     for (std::size_t tokens : {std::size_t{32768}})
