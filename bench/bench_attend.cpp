@@ -253,14 +253,16 @@ const bool registered = [] {
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
         }
     using batch_fn = void (*)(benchmark::State&, isa, const std::vector<std::size_t>&, unsigned);
-    for (const auto& [cache, bf] : {std::pair<const char*, batch_fn>{"contiguous/f16", batch_contiguous},
-                                    std::pair<const char*, batch_fn>{"two_tier/q4", batch_two_tier}})
-      for (const auto& [batch, lengths] :
-           {std::pair<const char*, std::vector<std::size_t>>{"3x8k", {8192, 8192, 8192}},
-            std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}}})
+    // (Plain pairs, not structured bindings: clang 14 cannot capture those.)
+    for (const auto& cache : {std::pair<const char*, batch_fn>{"contiguous/f16", batch_contiguous},
+                              std::pair<const char*, batch_fn>{"two_tier/q4", batch_two_tier}})
+      for (const auto& batch : {std::pair<const char*, std::vector<std::size_t>>{"3x8k", {8192, 8192, 8192}},
+                                std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}}})
         for (unsigned threads : {1u, 2u}) {
-          const std::string name = std::string("BM_attend_batch/") + cache + "/" + std::string(to_string(i)) + "/" +
-                                   batch + "/t:" + std::to_string(threads);
+          const batch_fn bf = cache.second;
+          const std::vector<std::size_t>& lengths = batch.second;
+          const std::string name = std::string("BM_attend_batch/") + cache.first + "/" + std::string(to_string(i)) + "/" +
+                                   batch.first + "/t:" + std::to_string(threads);
           benchmark::RegisterBenchmark(name.c_str(), [bf, i, lengths, threads](benchmark::State& st) {
             bf(st, i, lengths, threads);
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
