@@ -182,10 +182,10 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
 }
 
 // BM_attend_batch/<cache>/<isa>/<batch>/t:<threads>: one decode step of a batch of sequences
-// (3x8k: three of 8192 tokens; ragged: 12288, 2048, 3072 and 1024), contiguous f16 or two-tier Q4,
-// each sequence its own query row. A batch not a multiple of the thread count, or of unequal
-// lengths, is where whole-sequence tasks leave a worker idle (attend cuts such a batch into runs
-// of kv heads): compare t:2 with t:1 of the same batch. Bytes processed: the K+V bytes of all views.
+// (3x8k: three of 8192 tokens; ragged: 12288, 2048, 3072 and 1024), contiguous f16, paged f16
+// (16-token blocks) or two-tier Q4, each sequence its own query row. A batch not a multiple of the
+// thread count, or of unequal lengths, is where whole-sequence tasks leave a worker idle (attend
+// cuts a batch into runs of kv heads, or paged views into token parts): compare t:2 with t:1. Bytes processed: the K+V bytes of all views.
 template <class C>
 void attend_batch(benchmark::State& state, C& cache, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
   const bench::isa_scope scope(which);
@@ -223,6 +223,13 @@ void batch_contiguous(benchmark::State& state, isa which, const std::vector<std:
   if (!c) return state.SkipWithError(c.error().message.c_str());
   attend_batch(state, *c, which, lengths, threads);
 }
+void batch_paged(benchmark::State& state, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
+  std::size_t tokens = 0;
+  for (std::size_t n : lengths) tokens += n + 16;  // each sequence's last block may be partly used
+  auto c = make_paged(tokens, 16);
+  if (!c) return state.SkipWithError(c.error().message.c_str());
+  attend_batch(state, *c, which, lengths, threads);
+}
 void batch_two_tier(benchmark::State& state, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
   auto c = make_two_tier();
   if (!c) return state.SkipWithError(c.error().message.c_str());
@@ -255,6 +262,7 @@ const bool registered = [] {
     using batch_fn = void (*)(benchmark::State&, isa, const std::vector<std::size_t>&, unsigned);
     // (Plain pairs, not structured bindings: clang 14 cannot capture those.)
     for (const auto& cache : {std::pair<const char*, batch_fn>{"contiguous/f16", batch_contiguous},
+                              std::pair<const char*, batch_fn>{"paged/f16", batch_paged},
                               std::pair<const char*, batch_fn>{"two_tier/q4", batch_two_tier}})
       for (const auto& batch : {std::pair<const char*, std::vector<std::size_t>>{"3x8k", {8192, 8192, 8192}},
                                 std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}}})

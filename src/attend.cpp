@@ -368,11 +368,12 @@ kernels::prefetch_region ahead_rows(const chunk& ch, const onward& o, bool value
   return {(values ? fol.v_head(o.head) : fol.k_head(o.head)) + o.from * frow, std::min(n, fol.tokens - o.from) * frow};
 }
 
-// Scores of tokens [off, off + n) of chunk ch, kv head h, into s (row stride tile). A dense kernel
-// prefetches the share of the stream pf while it runs, or else the chunk's next rows of the head
-// (at its end, the first rows of the following chunk fol).
-void score_chunk(const call& c, const chunk& ch, const onward& fol, std::uint32_t h, std::uint32_t off, std::uint32_t n,
-                 const float* qf, float* s, prefetch_stream& pf) {
+// Scores of tokens [off, off + n) of chunk ci of the range, kv head h, into s (row stride tile). A
+// dense kernel prefetches the share of the stream pf while it runs, or else the rows that follow
+// in the range (ahead_rows, range.after).
+void score_chunk(const call& c, const task_range& range, std::uint32_t ci, std::uint32_t h, std::uint32_t off,
+                 std::uint32_t n, const float* qf, float* s, prefetch_stream& pf) {
+  const chunk& ch = range.view->chunks[ci];
   const kernels::table& kt = *c.kt;
   const std::uint32_t g = c.group, hd = c.head_dim;
   const std::byte* kb = ch.k_head(h);
@@ -385,7 +386,7 @@ void score_chunk(const call& c, const chunk& ch, const onward& fol, std::uint32_
   // spreads the stream's share over its rows rather than taking the chunk's next rows.
   const std::size_t first = static_cast<std::size_t>(off) * hd;
   const kernels::prefetch_region next = pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format)))
-                                                    : ahead_rows(ch, fol, false, h, hd, off, n);
+                                                    : ahead_rows(ch, range.after(ci, h), false, h, hd, off, n);
   if (ch.k_format == format::f16)
     kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
   else
@@ -440,18 +441,24 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
     const std::size_t elem = dense_element_bytes(vf);
     std::uint32_t count = 0, done = 0;
     std::size_t lines = 0;
-    kernels::prefetch_region next{};  // the rows after the tile's last segment
+    std::uint32_t last = ci, last_off = off, last_n = 0;  // the tile's last segment
     for (std::uint32_t cj = ci, o = off; fused && done < filled; ++cj, o = 0) {
       const chunk& ch = view.chunks[cj];
       if (ch.tokens == 0) continue;
       const std::uint32_t n = std::min(filled - done, ch.tokens - o);
       fused = ch.v_format == vf;
       segs[count++] = detail::value_segment{ch.v_head(h) + static_cast<std::size_t>(o) * hd * elem, n, done};
-      next = ahead_rows(ch, range.after(cj, h), true, h, hd, o, n);
+      last = cj;
+      last_off = o;
+      last_n = n;
       lines += lines_read(ch, n);
       done += n;
     }
-    if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc, pf.active() ? pf.take(lines) : next))
+    // The stream's share, or the rows after the tile's last segment.
+    if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc,
+                                pf.active() ? pf.take(lines)
+                                            : ahead_rows(view.chunks[last], range.after(last, h), true, h, hd, last_off,
+                                                         last_n)))
       return;
   }
   const kernels::table& kt = *c.kt;
@@ -577,7 +584,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       if (!score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled, pf))
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
-          score_chunk(c, ch, range.after(ci, h), h, off, n, hs.qf, hs.s + filled, pf);
+          score_chunk(c, range, ci, h, off, n, hs.qf, hs.s + filled, pf);
         }
       filled += n;
       if (off + n < ch_tokens) {  // the tile is full inside this chunk
@@ -729,6 +736,12 @@ constexpr std::uint32_t min_part_tokens = 512;
 constexpr std::uint32_t max_levels = 3;
 constexpr std::uint32_t min_guided_tokens = 2048;
 
+// Bound on parts * sequences for `workers` workers (parts <= ceil(workers / seqs) * (max_levels +
+// 1), seqs < workers): below 2 workers; none for one worker.
+std::size_t max_parts(unsigned workers) {
+  return workers < 2 ? 0 : 2 * static_cast<std::size_t>(workers) * (max_levels + 1);
+}
+
 // Tasks a worker, at least, where a batch of sequences read head by head is cut into runs of kv
 // heads.
 constexpr std::size_t tasks_per_worker = 4;
@@ -738,12 +751,15 @@ constexpr std::size_t tasks_per_worker = 4;
 // else each sequence's tokens are split into parts (each read with all its kv heads, merged after)
 // and, where the views are too short for enough parts, its kv heads into runs, so that every
 // worker gets a task.
-// A batch read head by head (contiguous and two-tier caches: each head is a stream of its own)
-// is cut into runs of kv heads too, tasks_per_worker tasks a worker at least: whole sequences
-// left a batch of 3 on 2 workers, or of ragged lengths, waiting for the worker with the most
-// tokens. Measured on Zen 5 (2 threads, 8 kv x 128, in-process alternation): contiguous 3 x 8k
-// tokens 1.05-1.22x, lengths 12k, 2k, 3k, 1k 1.17-1.24x, two-tier 3 x 8k 1.12x, 2 x 16k 1.01x.
-// Paged blocks are read all heads together: a task reads whole blocks, and stays one sequence.
+// A batch (at least as many sequences as workers) is cut finer too, tasks_per_worker tasks a
+// worker at least: whole sequences left a batch of 3 on 2 workers, or of ragged lengths, waiting
+// for the worker with the most tokens. Views read head by head (contiguous and two-tier caches:
+// each head is a stream of its own) into runs of kv heads, which changes no sum; paged blocks,
+// read all heads together, into token parts (a split by heads would read half blocks: 0.56-0.69x
+// for one sequence on 2 workers), as many as reserve()'s partial results hold. Measured on Zen 5
+// (2 threads, 8 kv x 128, in-process alternation with whole sequences): contiguous 3 x 8k tokens
+// 1.05-1.22x, lengths 12k, 2k, 3k, 1k 1.17-1.24x; two-tier 3 x 8k 1.12x; paged 3 x 8k
+// 1.07-1.13x, 12k, 2k, 3k, 1k 1.12-1.16x, and 2 x 16k (balanced already) 0.98-1.00x.
 // Long sequences are split guided: for w workers a sequence, w parts of a quarter of its tokens
 // each, then w of an eighth, then 2 w of a sixteenth (levels 3; fewer where the smallest would
 // fall under min_guided_tokens), handed out largest first. Workers that run at different speeds
@@ -757,10 +773,22 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
   const std::size_t seqs = views.size();
   if (seqs >= workers) {
     if (workers < 2) return {1, kv_heads, 1, 0};
-    for (const layer_view& v : views)
-      if (!head_by_head(v, head_dim)) return {1, kv_heads, 1, 0};
-    const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, (tasks_per_worker * workers + seqs - 1) / seqs));
-    return {1, (kv_heads + runs - 1) / runs, 1, 0};
+    const std::size_t tasks = (tasks_per_worker * workers + seqs - 1) / seqs;  // a sequence, at least
+    bool by_head = true;
+    std::uint32_t longest = 0;
+    for (const layer_view& v : views) {
+      by_head = by_head && head_by_head(v, head_dim);
+      longest = std::max(longest, v.tokens);
+    }
+    if (by_head) {
+      const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, tasks));
+      return {1, (kv_heads + runs - 1) / runs, 1, 0};
+    }
+    // Blocks read all heads together (paged): token parts instead, as many as reserve() holds
+    // partial results for, at least min_part_tokens of the longest sequence each.
+    const auto parts = static_cast<std::uint32_t>(
+        std::min({tasks, max_parts(workers) / seqs, static_cast<std::size_t>(std::max<std::uint32_t>(1, longest / min_part_tokens))}));
+    return {parts, kv_heads, 1, 0};
   }
   const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
   std::uint32_t longest = 0;
@@ -772,12 +800,6 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
   if (levels > 0) parts = want * (levels + 1);
   const std::uint32_t runs = std::min(kv_heads, (want + parts - 1) / parts);
   return {parts, (kv_heads + runs - 1) / runs, want, levels};
-}
-
-// Bound on parts * sequences for `workers` workers (parts <= ceil(workers / seqs) * (max_levels +
-// 1), seqs < workers): below 2 workers; none for one worker.
-std::size_t max_parts(unsigned workers) {
-  return workers < 2 ? 0 : 2 * static_cast<std::size_t>(workers) * (max_levels + 1);
 }
 
 }  // namespace
