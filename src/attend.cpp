@@ -769,25 +769,31 @@ struct task_split {
   std::uint32_t parts = 1, heads_per_task = 0, workers_per_seq = 1, levels = 0;
 };
 task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, std::uint32_t head_dim,
-                       unsigned workers) {
+                       std::uint32_t group, unsigned workers) {
   const std::size_t seqs = views.size();
   if (seqs >= workers) {
     if (workers < 2) return {1, kv_heads, 1, 0};
     const std::size_t tasks = (tasks_per_worker * workers + seqs - 1) / seqs;  // a sequence, at least
     bool by_head = true;
     std::uint32_t longest = 0;
+    std::uint64_t total = 0;
     for (const layer_view& v : views) {
       by_head = by_head && head_by_head(v, head_dim);
       longest = std::max(longest, v.tokens);
+      total += v.tokens;
     }
     if (by_head) {
       const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, tasks));
       return {1, (kv_heads + runs - 1) / runs, 1, 0};
     }
     // Blocks read all heads together (paged): token parts instead, as many as reserve() holds
-    // partial results for, at least min_part_tokens of the longest sequence each.
-    const auto parts = static_cast<std::uint32_t>(
+    // partial results for, at least min_part_tokens of the longest sequence each, and so few
+    // that the caller's merge (one thread) reads at most 1/16 of what one worker reads: per kv
+    // head, parts * seqs * group * head_dim floats against total * head_dim * 4 / workers bytes
+    // of f16 K and V (a batch on many workers would else wait for a long serial merge).
+    auto parts = static_cast<std::uint32_t>(
         std::min({tasks, max_parts(workers) / seqs, static_cast<std::size_t>(std::max<std::uint32_t>(1, longest / min_part_tokens))}));
+    while (parts > 1 && std::uint64_t{parts} * seqs * group * 16 * workers > total) --parts;
     return {parts, kv_heads, 1, 0};
   }
   const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
@@ -1001,7 +1007,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   if (kt.which == isa::avx512) softmax = detail::attend_avx512::softmax_tile;
 #endif
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
-  const task_split split = split_tasks(views, p.kv_heads, p.head_dim, workers);
+  const task_split split = split_tasks(views, p.kv_heads, p.head_dim, p.q_heads / p.kv_heads, workers);
   assert(split.parts == 1 || views.size() * split.parts <= max_parts(workers));  // what reserve() provided
   const std::uint32_t hpt = split.heads_per_task;
   const std::uint32_t tasks_per_seq = split.parts * ((p.kv_heads + hpt - 1) / hpt);

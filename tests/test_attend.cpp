@@ -826,16 +826,19 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
     }
   };
   // 3 sequences, 2 workers: runs of 2 kv heads (2 runs a sequence, 6 tasks). Paged: 3 parts a
-  // sequence (9 tasks) where the longest has 1536 tokens or more, else whole sequences.
+  // sequence (9 tasks) where the longest has 1536 tokens or more, else whole sequences. 8 paged
+  // sequences, 1107 tokens in all, on 8 workers: 2 parts each would make the caller's merge read
+  // more than a sixteenth of a worker's share: whole sequences.
   const struct {
     pattern p;
     std::vector<std::uint32_t> lengths;
-    unsigned tasks;
-  } cases[] = {{pattern::contiguous_f16, {300, 40, 1000}, 6},
-               {pattern::two_tier, {300, 40, 1000}, 6},
-               {pattern::paged16_f16, {300, 40, 1000}, 3},
-               {pattern::paged16_f16, {3000, 700, 1}, 9},
-               {pattern::paged32_f32, {900, 1600, 2000}, 9}};
+    unsigned workers, tasks;
+  } cases[] = {{pattern::contiguous_f16, {300, 40, 1000}, 2, 6},
+               {pattern::two_tier, {300, 40, 1000}, 2, 6},
+               {pattern::paged16_f16, {300, 40, 1000}, 2, 3},
+               {pattern::paged16_f16, {3000, 700, 1}, 2, 9},
+               {pattern::paged32_f32, {900, 1600, 2000}, 2, 9},
+               {pattern::paged16_f16, {1100, 1, 1, 1, 1, 1, 1, 1}, 8, 8}};
   for (const auto& c : cases) {
     const std::string what = std::string(name(c.p)) + " first length " + std::to_string(c.lengths[0]);
     std::vector<built_view> built;
@@ -853,10 +856,10 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
     ASSERT_TRUE(kvcache::attend(ap, lv, q, one, ws).has_value());
     std::vector<std::size_t> seen;
     attention_params engine = ap;
-    engine.pool = kvcache::parallel_for{reversed, &seen, 2};
+    engine.pool = kvcache::parallel_for{reversed, &seen, c.workers};
     ASSERT_TRUE(kvcache::attend(engine, lv, q, pooled, ws).has_value());
     EXPECT_EQ(seen.size(), c.tasks) << what;
-    ap.threads = 2;
+    ap.threads = c.workers;
     ASSERT_TRUE(kvcache::attend(ap, lv, q, own, ws).has_value());
     EXPECT_EQ(0, std::memcmp(pooled.data(), own.data(), own.size() * sizeof(float))) << what;
     const bool parts = c.p != pattern::contiguous_f16 && c.p != pattern::two_tier && c.tasks > c.lengths.size();
