@@ -64,6 +64,29 @@ std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
   return cache.view(*s, 0).value();
 }
 
+// Decode steps of attend over `views` (one query row each, threads workers) for as long as the
+// state runs; false where the workspace or a step failed (the state then carries the error).
+bool decode_steps(benchmark::State& state, std::span<const layer_view> views, unsigned threads) {
+  std::vector<float> q(views.size() * q_heads * head_dim), out(q.size());
+  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
+  attention_workspace ws;
+  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
+  if (!ws.reserve(p)) {
+    state.SkipWithError("workspace");
+    return false;
+  }
+  for (auto _ : state) {
+    const result<void> r = attend(p, views, q, out, ws);
+    if (!r) {
+      state.SkipWithError(r.error().message.c_str());
+      return false;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  return true;
+}
+
 template <class C>
 void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
@@ -71,20 +94,7 @@ void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsig
   const std::optional<layer_view> filled = filled_view(cache, tokens);
   if (!filled) return state.SkipWithError("cache fill failed");
   const layer_view& view = *filled;
-  std::vector<float> q(q_heads * head_dim), out(q.size());
-  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
-  attention_workspace ws;
-  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
-  if (!ws.reserve(p)) return state.SkipWithError("workspace");
-  for (auto _ : state) {
-    const result<void> r = attend(p, std::span(&view, 1), q, out, ws);
-    if (!r) {
-      state.SkipWithError(r.error().message.c_str());
-      break;
-    }
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  if (!decode_steps(state, std::span(&view, 1), threads)) return;
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(view)));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
@@ -198,20 +208,7 @@ void attend_batch(benchmark::State& state, C& cache, isa which, const std::vecto
     views.push_back(*v);
     bytes += view_bytes(*v);
   }
-  std::vector<float> q(lengths.size() * q_heads * head_dim), out(q.size());
-  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
-  attention_workspace ws;
-  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
-  if (!ws.reserve(p)) return state.SkipWithError("workspace");
-  for (auto _ : state) {
-    const result<void> r = attend(p, views, q, out, ws);
-    if (!r) {
-      state.SkipWithError(r.error().message.c_str());
-      break;
-    }
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  if (!decode_steps(state, views, threads)) return;
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps of the batch
 }

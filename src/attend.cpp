@@ -509,7 +509,6 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const layer_view& view = c.views[seq];
   const task_range range(view, b, e, next_head);
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
-  auto tokens_of = [&](std::uint32_t ci) { return range.tokens_of(ci); };
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb; ++h) {
@@ -533,7 +532,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     std::uint32_t filled = 0;
     for (; ci < end && filled < limit; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
-      const std::uint32_t ch_tokens = tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
+      const std::uint32_t ch_tokens = range.tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
       if (off >= ch_tokens) continue;                  // empty (or an empty part)
       if (filled == 0 && c.kt->attend_q4 != nullptr && is_q4_group(ch)) {
         // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
@@ -543,7 +542,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // the two-tier store at 32k, 1 and 2 threads, in-process alternation on Zen 5).
         kernels::q4_group_ref gr[2];
         const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
-                          tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
+                          range.tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
         const std::uint32_t n = pair ? 2 : 1;
         std::size_t lines = 0;
         for (std::uint32_t j = 0; j < n; ++j) {
@@ -771,17 +770,17 @@ struct task_split {
 task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, std::uint32_t head_dim,
                        std::uint32_t group, unsigned workers) {
   const std::size_t seqs = views.size();
+  if (seqs >= workers && workers < 2) return {1, kv_heads, 1, 0};
+  bool by_head = true;
+  std::uint32_t longest = 0;
+  std::uint64_t total = 0;
+  for (const layer_view& v : views) {
+    by_head = by_head && head_by_head(v, head_dim);
+    longest = std::max(longest, v.tokens);
+    total += v.tokens;
+  }
   if (seqs >= workers) {
-    if (workers < 2) return {1, kv_heads, 1, 0};
     const std::size_t tasks = (tasks_per_worker * workers + seqs - 1) / seqs;  // a sequence, at least
-    bool by_head = true;
-    std::uint32_t longest = 0;
-    std::uint64_t total = 0;
-    for (const layer_view& v : views) {
-      by_head = by_head && head_by_head(v, head_dim);
-      longest = std::max(longest, v.tokens);
-      total += v.tokens;
-    }
     if (by_head) {
       const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, tasks));
       return {1, (kv_heads + runs - 1) / runs, 1, 0};
@@ -797,8 +796,6 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
     return {parts, kv_heads, 1, 0};
   }
   const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
-  std::uint32_t longest = 0;
-  for (const layer_view& v : views) longest = std::max(longest, v.tokens);
   std::uint32_t parts = std::clamp<std::uint32_t>(longest / min_part_tokens, 1, want), levels = 0;
   if (parts == want)
     for (std::uint32_t l = max_levels; l >= 2 && levels == 0; --l)
