@@ -160,6 +160,7 @@ struct call {
                        const detail::value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc,
                        kernels::prefetch_region pf);
   detail::value_segment* segments;  // [worker][tile] scratch for it
+  bool last_parts_first;            // a paged batch's parts (split_tasks' target): see run_task
 };
 
 // Floats of one head's partial result (parts > 1): running max [group], running sum [group],
@@ -634,15 +635,28 @@ bool head_by_head(const layer_view& view, std::uint32_t hd) {
   return c.k_head_stride > key_head_bytes(c, hd) + value_head_bytes(c, hd);
 }
 
+// Whether part `part` of split sequence seq holds no tokens: a part of a batch's short sequence
+// that needs fewer parts than the call's (split_tasks), or one left empty by split_view. Its task
+// does nothing and merge() skips it (its partial results are not written).
+bool empty_part(const call& c, std::size_t seq, std::uint32_t part) {
+  const cursor& b = c.bounds[seq * (c.parts + 1) + part];
+  const cursor& e = c.bounds[seq * (c.parts + 1) + part + 1];
+  return b.ci == e.ci && b.off == e.off;
+}
+
 // A task is one sequence and a run of its kv heads, read head by head or all heads together
 // (head_by_head). A split sequence's task is one part of its tokens (parts > 1) and a run of its
 // kv heads.
 void run_task(const call& c, std::size_t task, unsigned worker) {
   // Tasks run part by part (every sequence's first part, then every sequence's second, ...), so
-  // that the large first parts of a guided split are handed out first.
+  // that the large first parts of a guided split are handed out first. A paged batch's parts run
+  // last part first: only its longest sequences have their last parts, and those are its largest
+  // (first parts first, the long sequence of 16k + 7 x 1k tokens on 2 workers had its second half
+  // run last, after the short ones, by the worker that had done them).
   const std::uint32_t runs = c.tasks_per_seq / c.parts;
   const std::size_t per_part = static_cast<std::size_t>(c.seqs) * runs;
-  const auto part = static_cast<std::uint32_t>(task / per_part);
+  const auto order = static_cast<std::uint32_t>(task / per_part);
+  const std::uint32_t part = c.last_parts_first ? c.parts - 1 - order : order;
   const std::size_t seq = task % per_part / runs;
   const std::uint32_t h0 = static_cast<std::uint32_t>(task % runs) * c.heads_per_task;
   const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
@@ -652,6 +666,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   float* partial = nullptr;
   const std::size_t pfl = partial_floats(c.group, c.head_dim);
   if (c.parts > 1) {
+    if (empty_part(c, seq, part)) return;
     b = c.bounds[seq * (c.parts + 1) + part];
     e = c.bounds[seq * (c.parts + 1) + part + 1];
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
@@ -710,13 +725,14 @@ void merge(const call& c, std::size_t seqs) {
       for (std::uint32_t i = 0; i < g; ++i) {
         float* o = c.out + ((s * c.kv_heads + h) * g + i) * hd;
         float m = -std::numeric_limits<float>::infinity();
-        for (std::uint32_t p = 0; p < parts; ++p) m = std::max(m, p0[p * part_stride + i]);
+        for (std::uint32_t p = 0; p < parts; ++p)
+          if (!empty_part(c, s, p)) m = std::max(m, p0[p * part_stride + i]);
         std::fill(o, o + hd, 0.0f);
         if (m == -std::numeric_limits<float>::infinity()) continue;  // no tokens
         float sum = 0.0f;
         for (std::uint32_t p = 0; p < parts; ++p) {
           const float* pp = p0 + p * part_stride;
-          if (pp[g + i] == 0.0f) continue;  // an empty part
+          if (empty_part(c, s, p) || pp[g + i] == 0.0f) continue;  // no tokens, or none with weight
           const float w = std::exp2(pp[i] - m);
           sum += w * pp[g + i];
           const float* acc = pp + 2 * g + static_cast<std::size_t>(i) * hd;
@@ -766,7 +782,19 @@ constexpr std::size_t tasks_per_worker = 4;
 // other, where equal parts made the step wait for the slowest worker's whole share.
 struct task_split {
   std::uint32_t parts = 1, heads_per_task = 0, workers_per_seq = 1, levels = 0;
+  // A paged batch's tokens a part (0: every sequence is cut into `parts` parts): a sequence of n
+  // tokens is cut into parts_of() of them, about n / target tokens each, and its other parts are
+  // empty.
+  std::uint32_t target = 0;
 };
+
+// Parts holding tokens of a sequence of view v under split sp: sp.parts, or for a paged batch
+// ceil(n / sp.target), at most sp.parts and n / min_part_tokens, at least 1.
+std::uint32_t parts_of(const layer_view& v, const task_split& sp) {
+  if (sp.target == 0) return sp.parts;
+  const std::uint32_t want = v.tokens / sp.target + (v.tokens % sp.target != 0 ? 1 : 0);
+  return std::max<std::uint32_t>(1, std::min({want, sp.parts, v.tokens / min_part_tokens}));
+}
 task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, std::uint32_t head_dim,
                        std::uint32_t group, unsigned workers) {
   const std::size_t seqs = views.size();
@@ -785,15 +813,28 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
       const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, tasks));
       return {1, (kv_heads + runs - 1) / runs, 1, 0};
     }
-    // Blocks read all heads together (paged): token parts instead, as many as reserve() holds
-    // partial results for, at least min_part_tokens of the longest sequence each, and so few
-    // that the caller's merge (one thread) reads at most 1/16 of what one worker reads: per kv
-    // head, parts * seqs * group * head_dim floats against total * head_dim * 4 / workers bytes
-    // of f16 K and V (a batch on many workers would else wait for a long serial merge).
-    auto parts = static_cast<std::uint32_t>(
-        std::min({tasks, max_parts(workers) / seqs, static_cast<std::size_t>(std::max<std::uint32_t>(1, longest / min_part_tokens))}));
-    while (parts > 1 && std::uint64_t{parts} * seqs * group * 16 * workers > total) --parts;
-    return {parts, kv_heads, 1, 0};
+    // Blocks read all heads together (paged): token parts instead, of about the same number of
+    // tokens in every sequence (target: a sequence's share of tasks_per_worker tasks a worker, at
+    // least min_part_tokens), so that a long sequence among short ones is cut finer than they are
+    // (whole sequences left a batch of one long sequence and many short ones waiting for the
+    // worker with the long one). At most as many parts a sequence as reserve() holds partial
+    // results for, and so few that the caller's merge (one thread) reads at most 1/16 of what
+    // one worker reads: per kv head, group * head_dim floats a part holding tokens, against
+    // total * head_dim * 4 / workers bytes of f16 K and V (a batch on many workers would else
+    // wait for a long serial merge).
+    const std::size_t share = tasks_per_worker * workers;
+    task_split sp{static_cast<std::uint32_t>(std::max<std::size_t>(1, max_parts(workers) / seqs)), kv_heads, 1, 0,
+                  static_cast<std::uint32_t>(std::clamp<std::uint64_t>((total + share - 1) / share, min_part_tokens,
+                                                                       std::numeric_limits<std::uint32_t>::max()))};
+    std::uint32_t most = 1;
+    for (const layer_view& v : views) most = std::max(most, parts_of(v, sp));
+    for (sp.parts = most; sp.parts > 1; --sp.parts) {
+      std::uint64_t used = 0;  // parts holding tokens
+      for (const layer_view& v : views) used += parts_of(v, sp);
+      if (used * group * 16 * workers <= total) break;
+    }
+    if (sp.parts == 1) sp.target = 0;
+    return sp;
   }
   const auto want = static_cast<std::uint32_t>((workers + seqs - 1) / seqs);
   std::uint32_t parts = std::clamp<std::uint32_t>(longest / min_part_tokens, 1, want), levels = 0;
@@ -967,11 +1008,13 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers, "attend: workspace scratch"));
   KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
                    "attend: workspace segments"));
-  // Split sequences: parts * sequences partial results, sequences * (parts + 1) < 3 workers bounds.
+  // Split sequences: parts * sequences partial results, at most max_parts.
   const std::size_t parts = max_parts(workers);
   KVCACHE_TRY(grow(w.partial, w.partial_count, parts * p.kv_heads * partial_floats(p.q_heads / p.kv_heads, p.head_dim),
                    "attend: workspace partial results"));
-  KVCACHE_TRY(grow(w.bounds, w.bound_count, parts == 0 ? 0 : parts + workers, "attend: workspace part bounds"));
+  // sequences * (parts + 1): a batch cut into parts has at most max_parts / 2 sequences (2 parts
+  // each at least), a guided split fewer sequences than workers.
+  KVCACHE_TRY(grow(w.bounds, w.bound_count, parts + parts / 2, "attend: workspace part bounds"));
   if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
   return {};
 }
@@ -1005,13 +1048,20 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #endif
   const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
   const task_split split = split_tasks(views, p.kv_heads, p.head_dim, p.q_heads / p.kv_heads, workers);
-  assert(split.parts == 1 || views.size() * split.parts <= max_parts(workers));  // what reserve() provided
+  // What reserve() provided.
+  assert(split.parts == 1 || (views.size() * split.parts <= max_parts(workers) &&
+                              views.size() * (split.parts + 1) <= ws.impl_->bound_count));
   const std::uint32_t hpt = split.heads_per_task;
   const std::uint32_t tasks_per_seq = split.parts * ((p.kv_heads + hpt - 1) / hpt);
   cursor* bounds = ws.impl_->bounds.get();
   if (split.parts > 1)
-    for (std::size_t s = 0; s < views.size(); ++s)
-      split_view(views[s], split.parts, split.workers_per_seq, split.levels, bounds + s * (split.parts + 1));
+    for (std::size_t s = 0; s < views.size(); ++s) {
+      // A paged batch's short sequence holds tokens in its first parts_of() parts only.
+      cursor* sb = bounds + s * (split.parts + 1);
+      const std::uint32_t used = parts_of(views[s], split);
+      split_view(views[s], used, split.workers_per_seq, split.levels, sb);
+      for (std::uint32_t j = used + 1; j <= split.parts; ++j) sb[j] = sb[used];
+    }
   decltype(call::fused_values) fused_values = nullptr;
   [[maybe_unused]] const bool fused_group = group == 1 || group == 2 || group == 4 || group == 8;
 #if defined(KVCACHE_HAVE_AVX2)
@@ -1025,7 +1075,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
                ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
-               fused_values, ws.impl_->segments.get()};
+               fused_values, ws.impl_->segments.get(), split.target != 0};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
   };

@@ -825,10 +825,12 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
       task(ctx, i, static_cast<unsigned>(i % 2));
     }
   };
-  // 3 sequences, 2 workers: runs of 2 kv heads (2 runs a sequence, 6 tasks). Paged: 3 parts a
-  // sequence (9 tasks) where the longest has 1536 tokens or more, else whole sequences. 8 paged
-  // sequences, 1107 tokens in all, on 8 workers: 2 parts each would make the caller's merge read
-  // more than a sixteenth of a worker's share: whole sequences.
+  // 3 sequences, 2 workers: runs of 2 kv heads (2 runs a sequence, 6 tasks). Paged: token parts
+  // of about a sequence's share of 8 tasks (512 tokens at least, paged_batch_parts_follow_each_
+  // sequence_length): 3000, 700, 1 tokens in 5, 1, 1 parts (3 * 5 tasks, 8 of them empty);
+  // 900, 1600, 2000 in 1, 3, 3 (3 * 3 tasks); 300, 40, 1000 whole. 8 paged sequences, 1107 tokens
+  // in all, on 8 workers: 2 parts for the longest would make the caller's merge read more than a
+  // sixteenth of a worker's share: whole sequences.
   const struct {
     pattern p;
     std::vector<std::uint32_t> lengths;
@@ -836,7 +838,7 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
   } cases[] = {{pattern::contiguous_f16, {300, 40, 1000}, 2, 6},
                {pattern::two_tier, {300, 40, 1000}, 2, 6},
                {pattern::paged16_f16, {300, 40, 1000}, 2, 3},
-               {pattern::paged16_f16, {3000, 700, 1}, 2, 9},
+               {pattern::paged16_f16, {3000, 700, 1}, 2, 15},
                {pattern::paged32_f32, {900, 1600, 2000}, 2, 9},
                {pattern::paged16_f16, {1100, 1, 1, 1, 1, 1, 1, 1}, 8, 8}};
   for (const auto& c : cases) {
@@ -867,6 +869,63 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
       for (std::size_t i = 0; i < q.size(); ++i) ASSERT_NEAR(own[i], one[i], 1e-5 * vmax) << what << " " << i;
     } else {
       EXPECT_EQ(0, std::memcmp(one.data(), own.data(), one.size() * sizeof(float))) << what;
+    }
+  }
+}
+
+// A paged batch (at least as many sequences as workers) is cut into token parts of about the same
+// size in every sequence: a long sequence into several, short ones not at all (their rows are then
+// bitwise those of one thread, as for whole sequences). 4 kv heads x 64 f16 over 16-token blocks,
+// 2 query heads a kv head, 2 workers (4 tasks a worker wanted, 16 part results in the workspace):
+// - 40 sequences of 100 tokens: more sequences than part results, whole sequences (40 tasks);
+// - 7 of 1100: 2 parts each (14 tasks), whose 7 * 3 part bounds the workspace must hold;
+// - 6000 tokens and 5 of 200: the long one in 2 parts (the most 6 sequences get), the short ones
+//   whole; 6 * 2 tasks, 5 of them empty.
+TEST(attend, paged_batch_parts_follow_each_sequence_length) {
+  std::mt19937 rng(10);
+  const shape s{8, 4, 64};
+  const auto counting = [](void* pl, std::size_t count, kvcache::parallel_for::task_fn task, void* ctx) {
+    auto& n = *static_cast<std::size_t*>(pl);
+    n = count;
+    for (std::size_t i = 0; i < count; ++i) task(ctx, i, static_cast<unsigned>(i % 2));
+  };
+  const struct {
+    std::vector<std::uint32_t> lengths;
+    std::size_t tasks;
+  } cases[] = {{std::vector<std::uint32_t>(40, 100), 40},
+               {std::vector<std::uint32_t>(7, 1100), 14},
+               {{6000, 200, 200, 200, 200, 200}, 12}};
+  for (const auto& c : cases) {
+    const std::string what = std::to_string(c.lengths.size()) + " sequences, first " + std::to_string(c.lengths[0]);
+    std::vector<built_view> built;
+    std::vector<layer_view> lv;
+    double vmax = 0.0;
+    for (std::uint32_t n : c.lengths) {
+      built.push_back(build(random_kv(rng, s.kv_heads, s.head_dim, n), chunking(pattern::paged16_f16, n, rng)));
+      for (double x : built.back().v_eff) vmax = std::max(vmax, std::abs(x));
+    }
+    for (const built_view& b : built) lv.push_back(b.view());
+    const std::vector<float> q = random_q(rng, lv.size() * s.q_heads * s.head_dim, 1.0f);
+    std::vector<float> one(q.size()), pooled(q.size(), -1.0f), own(q.size(), -2.0f);
+    attention_workspace ws;
+    attention_params ap{s.q_heads, s.kv_heads, s.head_dim, 0.0f, 1, {}};
+    ASSERT_TRUE(kvcache::attend(ap, lv, q, one, ws).has_value());
+    std::size_t tasks = 0;
+    attention_params engine = ap;
+    engine.pool = kvcache::parallel_for{counting, &tasks, 2};
+    ASSERT_TRUE(kvcache::attend(engine, lv, q, pooled, ws).has_value());
+    EXPECT_EQ(tasks, c.tasks) << what;
+    ap.threads = 2;
+    ASSERT_TRUE(kvcache::attend(ap, lv, q, own, ws).has_value());
+    EXPECT_EQ(0, std::memcmp(pooled.data(), own.data(), own.size() * sizeof(float))) << what;
+    const std::size_t row = static_cast<std::size_t>(s.q_heads) * s.head_dim;
+    for (std::size_t seq = 0; seq < lv.size(); ++seq) {
+      const std::size_t at = seq * row;
+      if (c.lengths[seq] < 1024) {  // whole
+        EXPECT_EQ(0, std::memcmp(one.data() + at, own.data() + at, row * sizeof(float))) << what << " sequence " << seq;
+      } else {
+        for (std::size_t i = at; i < at + row; ++i) ASSERT_NEAR(own[i], one[i], 1e-5 * vmax) << what << " " << i;
+      }
     }
   }
 }
@@ -1020,3 +1079,4 @@ TEST(attend, bad_shapes_get_typed_errors) {
 }
 
 }  // namespace
+
