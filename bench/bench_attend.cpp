@@ -192,7 +192,8 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
 }
 
 // BM_attend_batch/<cache>/<isa>/<batch>/t:<threads>: one decode step of a batch of sequences
-// (3x8k: three of 8192 tokens; ragged: 12288, 2048, 3072 and 1024), contiguous f16, paged f16
+// (3x8k: three of 8192 tokens; ragged: 12288, 2048, 3072 and 1024; 16k+7x1k: one of 16384 tokens
+// and seven of 1024, as many sequences as 4 tasks for each of 2 workers), contiguous f16, paged f16
 // (16-token blocks) or two-tier Q4, each sequence its own query row. A batch not a multiple of the
 // thread count, or of unequal lengths, is where whole-sequence tasks leave a worker idle (attend
 // cuts a batch into runs of kv heads, or paged views into token parts): compare t:2 with t:1. Bytes processed: the K+V bytes of all views.
@@ -262,7 +263,9 @@ const bool registered = [] {
                               std::pair<const char*, batch_fn>{"paged/f16", batch_paged},
                               std::pair<const char*, batch_fn>{"two_tier/q4", batch_two_tier}})
       for (const auto& batch : {std::pair<const char*, std::vector<std::size_t>>{"3x8k", {8192, 8192, 8192}},
-                                std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}}})
+                                std::pair<const char*, std::vector<std::size_t>>{"ragged", {12288, 2048, 3072, 1024}},
+                                std::pair<const char*, std::vector<std::size_t>>{
+                                    "16k+7x1k", {16384, 1024, 1024, 1024, 1024, 1024, 1024, 1024}}})
         for (unsigned threads : {1u, 2u}) {
           const batch_fn bf = cache.second;
           const std::vector<std::size_t>& lengths = batch.second;
