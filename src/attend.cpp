@@ -161,6 +161,7 @@ struct call {
                        kernels::prefetch_region pf);
   detail::value_segment* segments;  // [worker][tile] scratch for it
   bool last_parts_first;            // a paged batch's parts (split_tasks' target): see run_task
+  std::uint32_t run_target;         // a batch read head by head: tokens a task (heads_per_run), or 0
 };
 
 // Floats of one head's partial result (parts > 1): running max [group], running sum [group],
@@ -635,6 +636,14 @@ bool head_by_head(const layer_view& view, std::uint32_t hd) {
   return c.k_head_stride > key_head_bytes(c, hd) + value_head_bytes(c, hd);
 }
 
+// Kv heads a task reads of a batch's sequence of n tokens read head by head, when the batch is cut
+// into runs of about `target` tokens of all heads (split_tasks): runs of ceil(kv_heads / r) heads
+// for r = ceil(n / target) (at most kv_heads), all of them for n <= target.
+std::uint32_t heads_per_run(std::uint32_t n, std::uint32_t target, std::uint32_t kv_heads) {
+  const std::uint32_t runs = std::clamp<std::uint32_t>(n / target + (n % target != 0 ? 1 : 0), 1, kv_heads);
+  return (kv_heads + runs - 1) / runs;
+}
+
 // Whether part `part` of split sequence seq holds no tokens: a part of a batch's short sequence
 // that needs fewer parts than the call's (split_tasks), or one left empty by split_view. Its task
 // does nothing and merge() skips it (its partial results are not written).
@@ -650,16 +659,27 @@ bool empty_part(const call& c, std::size_t seq, std::uint32_t part) {
 void run_task(const call& c, std::size_t task, unsigned worker) {
   // Tasks run part by part (every sequence's first part, then every sequence's second, ...), so
   // that the large first parts of a guided split are handed out first. A paged batch's parts run
-  // last part first: only its longest sequences have their last parts, and those are its largest
-  // (first parts first, the long sequence of 16k + 7 x 1k tokens on 2 workers had its second half
-  // run last, after the short ones, by the worker that had done them).
+  // last part first, and a batch read head by head its runs of heads last run first: only its
+  // longest sequences have their last parts (or runs), and those are its largest (first parts
+  // first, the long sequence of 16k + 7 x 1k tokens on 2 workers had its second half run last,
+  // after the short ones, by the worker that had done them).
   const std::uint32_t runs = c.tasks_per_seq / c.parts;
-  const std::size_t per_part = static_cast<std::size_t>(c.seqs) * runs;
-  const auto order = static_cast<std::uint32_t>(task / per_part);
-  const std::uint32_t part = c.last_parts_first ? c.parts - 1 - order : order;
-  const std::size_t seq = task % per_part / runs;
-  const std::uint32_t h0 = static_cast<std::uint32_t>(task % runs) * c.heads_per_task;
-  const std::uint32_t h1 = std::min(h0 + c.heads_per_task, c.kv_heads);
+  std::size_t seq = 0;
+  std::uint32_t part = 0, run = 0, hpt = c.heads_per_task;
+  if (c.run_target != 0) {  // parts == 1
+    run = runs - 1 - static_cast<std::uint32_t>(task / c.seqs);
+    seq = task % c.seqs;
+    hpt = heads_per_run(c.views[seq].tokens, c.run_target, c.kv_heads);
+  } else {
+    const std::size_t per_part = static_cast<std::size_t>(c.seqs) * runs;
+    const auto order = static_cast<std::uint32_t>(task / per_part);
+    part = c.last_parts_first ? c.parts - 1 - order : order;
+    seq = task % per_part / runs;
+    run = static_cast<std::uint32_t>(task % runs);
+  }
+  const std::uint32_t h0 = run * hpt;
+  if (h0 >= c.kv_heads) return;  // a short sequence of a batch cut into runs: fewer runs than its tasks
+  const std::uint32_t h1 = std::min(h0 + hpt, c.kv_heads);
   float* base = c.scratch + worker * c.worker_stride;
   const layer_view& view = c.views[seq];
   cursor b{}, e{view.count, 0};
@@ -786,6 +806,10 @@ struct task_split {
   // tokens is cut into parts_of() of them, about n / target tokens each, and its other parts are
   // empty.
   std::uint32_t target = 0;
+  // A batch read head by head: tokens a task (0: runs of heads_per_task heads), and runs a
+  // sequence, the most any of its sequences is cut into (heads_per_run; shorter ones have runs
+  // without heads).
+  std::uint32_t run_target = 0, runs = 1;
 };
 
 // Parts holding tokens of a sequence of view v under split sp: sp.parts, or for a paged batch
@@ -808,10 +832,20 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
     total += v.tokens;
   }
   if (seqs >= workers) {
-    const std::size_t tasks = (tasks_per_worker * workers + seqs - 1) / seqs;  // a sequence, at least
     if (by_head) {
-      const auto runs = static_cast<std::uint32_t>(std::min<std::size_t>(kv_heads, tasks));
-      return {1, (kv_heads + runs - 1) / runs, 1, 0};
+      // Runs of kv heads of about the same number of tokens (of all heads) in every sequence,
+      // target: a sequence's share of tasks_per_worker tasks a worker (heads_per_run), so that a
+      // long sequence among short ones is cut into runs and the short ones stay whole.
+      task_split sp{1, kv_heads, 1, 0};
+      const std::size_t share = tasks_per_worker * workers;
+      const auto target = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
+          (total + share - 1) / share, 1, std::numeric_limits<std::uint32_t>::max()));
+      for (const layer_view& v : views) {
+        const std::uint32_t hpt = heads_per_run(v.tokens, target, kv_heads);
+        sp.runs = std::max(sp.runs, (kv_heads + hpt - 1) / hpt);
+      }
+      if (sp.runs > 1) sp.run_target = target;
+      return sp;
     }
     // Blocks read all heads together (paged): token parts instead, of about the same number of
     // tokens in every sequence (target: a sequence's share of tasks_per_worker tasks a worker, at
@@ -1052,7 +1086,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   assert(split.parts == 1 || (views.size() * split.parts <= max_parts(workers) &&
                               views.size() * (split.parts + 1) <= ws.impl_->bound_count));
   const std::uint32_t hpt = split.heads_per_task;
-  const std::uint32_t tasks_per_seq = split.parts * ((p.kv_heads + hpt - 1) / hpt);
+  const std::uint32_t tasks_per_seq = split.parts * (split.run_target != 0 ? split.runs : (p.kv_heads + hpt - 1) / hpt);
   cursor* bounds = ws.impl_->bounds.get();
   if (split.parts > 1)
     for (std::size_t s = 0; s < views.size(); ++s) {
@@ -1075,7 +1109,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
                ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
-               fused_values, ws.impl_->segments.get(), split.target != 0};
+               fused_values, ws.impl_->segments.get(), split.target != 0, split.run_target};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
   };

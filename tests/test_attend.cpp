@@ -825,7 +825,9 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
       task(ctx, i, static_cast<unsigned>(i % 2));
     }
   };
-  // 3 sequences, 2 workers: runs of 2 kv heads (2 runs a sequence, 6 tasks). Paged: token parts
+  // 3 sequences, 2 workers, 4 kv heads: runs of kv heads of about a sequence's share of 8 tasks
+  // (168 tokens of all heads): 300, 40, 1000 tokens in runs of 2, 4 and 1 heads (3 * 4 tasks, 5 of
+  // them without heads); 6000 and 5 of 200 in runs of 1 and 4 (6 * 4 tasks). Paged: token parts
   // of about a sequence's share of 8 tasks (512 tokens at least, paged_batch_parts_follow_each_
   // sequence_length): 3000, 700, 1 tokens in 5, 1, 1 parts (3 * 5 tasks, 8 of them empty);
   // 900, 1600, 2000 in 1, 3, 3 (3 * 3 tasks); 300, 40, 1000 whole. 8 paged sequences, 1107 tokens
@@ -835,8 +837,10 @@ TEST(attend, batch_is_cut_into_runs_of_heads_or_token_parts) {
     pattern p;
     std::vector<std::uint32_t> lengths;
     unsigned workers, tasks;
-  } cases[] = {{pattern::contiguous_f16, {300, 40, 1000}, 2, 6},
-               {pattern::two_tier, {300, 40, 1000}, 2, 6},
+  } cases[] = {{pattern::contiguous_f16, {300, 40, 1000}, 2, 12},
+               {pattern::two_tier, {300, 40, 1000}, 2, 12},
+               {pattern::contiguous_f16, {6000, 200, 200, 200, 200, 200}, 2, 24},
+               {pattern::two_tier, {6000, 200, 200, 200, 200, 200}, 2, 24},
                {pattern::paged16_f16, {300, 40, 1000}, 2, 3},
                {pattern::paged16_f16, {3000, 700, 1}, 2, 15},
                {pattern::paged32_f32, {900, 1600, 2000}, 2, 9},
