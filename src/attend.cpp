@@ -795,6 +795,11 @@ constexpr std::size_t tasks_per_worker = 4;
 // (2 threads, 8 kv x 128, in-process alternation with whole sequences): contiguous 3 x 8k tokens
 // 1.05-1.22x, lengths 12k, 2k, 3k, 1k 1.17-1.24x; two-tier 3 x 8k 1.12x; paged 3 x 8k
 // 1.07-1.13x, 12k, 2k, 3k, 1k 1.12-1.16x, and 2 x 16k (balanced already) 0.98-1.00x.
+// Each sequence of a batch is cut by its own length (runs of heads, or parts, of about a
+// sequence's share of those tasks each; heads_per_run, parts_of), the longest first: with as
+// many tasks for every sequence, a batch of 4 tasks a worker or more stayed whole sequences, and
+// one long among short ones waited for the worker that had it (16k + 7 x 1k tokens on 2 workers,
+// process alternation, BM_attend_batch: paged 1.15x, two-tier 1.23x, contiguous 1.07x).
 // Long sequences are split guided: for w workers a sequence, w parts of a quarter of its tokens
 // each, then w of an eighth, then 2 w of a sixteenth (levels 3; fewer where the smallest would
 // fall under min_guided_tokens), handed out largest first. Workers that run at different speeds

@@ -82,10 +82,13 @@ class attention_workspace {
 ///   out[s][j] = sum_t softmax_t(scale * q[s][j] . k_h[t]) * v_h[t]   over all tokens of views[s].
 /// // q [sequence][q_head][head_dim] f32, out [sequence][q_head][head_dim] f32
 /// A view with no tokens yields a zero output row. One task per sequence (all its kv heads, so
-/// each chunk's K and V are read as one stream); with several workers a batch is cut finer, at
-/// least 4 tasks a worker, so that sequences of unequal lengths share the workers evenly: into
-/// runs of kv heads where its views are read head by head (contiguous and two-tier caches), else
-/// (paged blocks) into token parts merged as below, as many as the workspace holds. With fewer
+/// each chunk's K and V are read as one stream); with several workers a batch is cut finer, into
+/// tasks of about a sequence's share of 4 tasks a worker each (the longest handed out first), so
+/// that sequences of unequal lengths share the workers evenly: a long sequence among short ones
+/// is cut, the short ones stay whole. Into runs of kv heads where its views are read head by head
+/// (contiguous and two-tier caches), else (paged blocks) into token parts of at least 512 tokens
+/// merged as below, as many as the workspace holds and so few that the merge reads at most a
+/// sixteenth of what a worker reads. With fewer
 /// sequences than workers, each sequence's tokens are split into parts of at least 512 tokens
 /// (Q4 key groups kept whole; long sequences in parts of decreasing size, the largest handed
 /// out first, so that workers of unequal speed end together), each read by one task with all
