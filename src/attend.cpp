@@ -60,6 +60,12 @@ constexpr std::uint32_t large_chunk_tokens = 64;
 
 std::size_t round_up64(std::size_t floats) { return (floats + 15) / 16 * 16; }
 
+// a / b rounded up (b > 0).
+template <class T>
+constexpr T ceil_div(T a, T b) {
+  return a / b + (a % b != 0 ? 1 : 0);
+}
+
 // Floats of one worker's scratch: folded queries and accumulators [group][head_dim], scores
 // [group][tile], and running max / sum [group].
 std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
@@ -640,8 +646,7 @@ bool head_by_head(const layer_view& view, std::uint32_t hd) {
 // into runs of about `target` tokens of all heads (split_tasks): runs of ceil(kv_heads / r) heads
 // for r = ceil(n / target) (at most kv_heads), all of them for n <= target.
 std::uint32_t heads_per_run(std::uint32_t n, std::uint32_t target, std::uint32_t kv_heads) {
-  const std::uint32_t runs = std::clamp<std::uint32_t>(n / target + (n % target != 0 ? 1 : 0), 1, kv_heads);
-  return (kv_heads + runs - 1) / runs;
+  return ceil_div(kv_heads, std::clamp(ceil_div(n, target), 1u, kv_heads));
 }
 
 // Whether part `part` of split sequence seq holds no tokens: a part of a batch's short sequence
@@ -821,8 +826,7 @@ struct task_split {
 // ceil(n / sp.target), at most sp.parts and n / min_part_tokens, at least 1.
 std::uint32_t parts_of(const layer_view& v, const task_split& sp) {
   if (sp.target == 0) return sp.parts;
-  const std::uint32_t want = v.tokens / sp.target + (v.tokens % sp.target != 0 ? 1 : 0);
-  return std::max<std::uint32_t>(1, std::min({want, sp.parts, v.tokens / min_part_tokens}));
+  return std::max<std::uint32_t>(1, std::min({ceil_div(v.tokens, sp.target), sp.parts, v.tokens / min_part_tokens}));
 }
 task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads, std::uint32_t head_dim,
                        std::uint32_t group, unsigned workers) {
@@ -837,18 +841,16 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
     total += v.tokens;
   }
   if (seqs >= workers) {
+    // A sequence's share of tasks_per_worker tasks a worker, in tokens: what a batch's tasks hold.
+    const std::uint64_t share = ceil_div<std::uint64_t>(total, tasks_per_worker * workers);
+    constexpr std::uint64_t most_tokens = std::numeric_limits<std::uint32_t>::max();
     if (by_head) {
       // Runs of kv heads of about the same number of tokens (of all heads) in every sequence,
       // target: a sequence's share of tasks_per_worker tasks a worker (heads_per_run), so that a
       // long sequence among short ones is cut into runs and the short ones stay whole.
       task_split sp{1, kv_heads, 1, 0};
-      const std::size_t share = tasks_per_worker * workers;
-      const auto target = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-          (total + share - 1) / share, 1, std::numeric_limits<std::uint32_t>::max()));
-      for (const layer_view& v : views) {
-        const std::uint32_t hpt = heads_per_run(v.tokens, target, kv_heads);
-        sp.runs = std::max(sp.runs, (kv_heads + hpt - 1) / hpt);
-      }
+      const auto target = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(share, 1, most_tokens));
+      for (const layer_view& v : views) sp.runs = std::max(sp.runs, ceil_div(kv_heads, heads_per_run(v.tokens, target, kv_heads)));
       if (sp.runs > 1) sp.run_target = target;
       return sp;
     }
@@ -861,10 +863,8 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
     // one worker reads: per kv head, group * head_dim floats a part holding tokens, against
     // total * head_dim * 4 / workers bytes of f16 K and V (a batch on many workers would else
     // wait for a long serial merge).
-    const std::size_t share = tasks_per_worker * workers;
     task_split sp{static_cast<std::uint32_t>(std::max<std::size_t>(1, max_parts(workers) / seqs)), kv_heads, 1, 0,
-                  static_cast<std::uint32_t>(std::clamp<std::uint64_t>((total + share - 1) / share, min_part_tokens,
-                                                                       std::numeric_limits<std::uint32_t>::max()))};
+                  static_cast<std::uint32_t>(std::clamp<std::uint64_t>(share, min_part_tokens, most_tokens))};
     std::uint32_t most = 1;
     for (const layer_view& v : views) most = std::max(most, parts_of(v, sp));
     for (sp.parts = most; sp.parts > 1; --sp.parts) {
@@ -1091,7 +1091,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   assert(split.parts == 1 || (views.size() * split.parts <= max_parts(workers) &&
                               views.size() * (split.parts + 1) <= ws.impl_->bound_count));
   const std::uint32_t hpt = split.heads_per_task;
-  const std::uint32_t tasks_per_seq = split.parts * (split.run_target != 0 ? split.runs : (p.kv_heads + hpt - 1) / hpt);
+  const std::uint32_t tasks_per_seq = split.parts * (split.run_target != 0 ? split.runs : ceil_div(p.kv_heads, hpt));
   cursor* bounds = ws.impl_->bounds.get();
   if (split.parts > 1)
     for (std::size_t s = 0; s < views.size(); ++s) {
