@@ -72,6 +72,10 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
 // once per 64 tokens, as on AVX-512. Measured on Zen 5 (AVX2, head_dim 128, 4 queries, cached
 // groups, BM_attend_step/q4/.../l2/g:2): AVX-VNNI 1.16-1.17x, vpmaddubsw 1.09x, against one group a
 // tile; streamed (/stream/g:2) 1.09x; one query 1.05-1.2x. Not timed on Arm hardware.
+// No set-up rows: these steps spread the prefetch region over their dot products alone (the
+// AVX-512 step's set-up rows are not measured here).
+unsigned setup_rows(unsigned) { return 0; }
+
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
                line_prefetch& pf) {
