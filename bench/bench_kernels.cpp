@@ -248,22 +248,31 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
   s.SetItemsProcessed(i64(steps * 32));
 }
 
-// table::attend_q4 as attend() drives it over a two-tier store at 32k: `per_call` groups a call,
-// every head's step (each head its own state) on them before the next ones, K and V of a group's
-// head side by side ([group][head][key group, value group]), and each call prefetching as many
-// lines as it reads of the next call's groups (attend's stream: all heads' K and V of those
-// groups, handed out in order). Against /l2 (the same step on cached groups) this is what
-// streaming the store costs the step, and against BM_attend/two_tier what attend adds to it.
-// The store lies on huge pages as the cache's slabs do: on 4 KiB pages the stream ran 0.8 times
-// as fast as /l2, on huge pages 0.96 (session 14).
+// table::attend_q4 as attend() drives it over a two-tier store at 32k (one layer): the store in
+// slabs of slab_groups group slots, as the cache lays them out ([kv head][slab_groups]{key group,
+// value group} a slab, slab_groups the fewest, at least 16, that span a huge page), read head by
+// head, `per_call` groups a call, each call prefetching as many lines as it reads of the next
+// call's groups (attend's stream: those of the same head, contiguous where they lie in one slab;
+// after a head's last call, the next head's first groups). Against /l2 (the same step on cached
+// groups) this is what streaming the store costs the step, and against BM_attend/two_tier what
+// attend adds to it. The store lies on huge pages as the cache's slabs do: on 4 KiB pages the
+// stream ran 0.8 times as fast as /l2, on huge pages 0.96 (session 14, an older layout).
 void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq, std::uint32_t per_call) {
   constexpr std::size_t pair = key_group + value_group;
+  constexpr std::size_t slab_groups =
+      std::max<std::size_t>(16, (kvcache::detail::huge_page_bytes + heads * pair - 1) / (heads * pair));
+  constexpr std::size_t slab_bytes = slab_groups * heads * pair;
+  constexpr std::size_t slabs = (ctx_groups + slab_groups - 1) / slab_groups;
+  // Group g of head h.
+  auto at = [](const std::uint8_t* base, std::size_t h, std::size_t g) {
+    return base + g / slab_groups * slab_bytes + (h * slab_groups + g % slab_groups) * pair;
+  };
   // Allocated as the two-tier cache allocates its store slabs (huge pages advised).
-  static const kvcache::detail::storage store = [] {
-    kvcache::detail::storage x = kvcache::detail::allocate_storage(std::size_t{ctx_groups} * heads * pair);
-    for (std::size_t g = 0; x && g < ctx_groups; ++g)
-      for (std::size_t h = 0; h < heads; ++h) {
-        auto* dst = reinterpret_cast<std::uint8_t*>(x.get()) + (g * heads + h) * pair;
+  static const kvcache::detail::storage store = [&] {
+    kvcache::detail::storage x = kvcache::detail::allocate_storage(slabs * slab_bytes);
+    for (std::size_t h = 0; x && h < heads; ++h)
+      for (std::size_t g = 0; g < ctx_groups; ++g) {
+        auto* dst = const_cast<std::uint8_t*>(at(reinterpret_cast<const std::uint8_t*>(x.get()), h, g));
         std::copy_n(q4_keys() + (h * ctx_groups + g) * key_group, key_group, dst);
         std::copy_n(q4_values() + (h * ctx_groups + g) * value_group, value_group, dst + key_group);
       }
@@ -281,19 +290,19 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
     std::fill_n(run_max, heads * nq, -std::numeric_limits<float>::infinity());
     std::fill_n(run_sum, heads * nq, 0.0f);
     std::fill_n(acc.as<float>(), heads * per_head, 0.0f);
-    for (std::size_t g = 0; g < ctx_groups; g += per_call)
-      for (std::size_t h = 0; h < heads; ++h) {
+    for (std::size_t h = 0; h < heads; ++h)
+      for (std::size_t g = 0; g < ctx_groups; g += per_call) {
         kernels::q4_group_ref gr[2];
         for (std::size_t j = 0; j < per_call; ++j) {
-          const std::uint8_t* at = base + ((g + j) * heads + h) * pair;
-          gr[j] = {at, at + key_group, 32};
+          const std::uint8_t* p = at(base, h, g + j);
+          gr[j] = {p, p + key_group, 32};
         }
-        // attend's stream: the next call's groups, all heads' K and V of them in one run, a share
-        // of it as long as what the call reads.
+        // The next call's groups: of this head, as far as they lie in one slab; else the next
+        // head's first ones.
+        const std::size_t nh = g + per_call < ctx_groups ? h : h + 1, ng = g + per_call < ctx_groups ? g + per_call : 0;
+        const std::size_t n = std::min<std::size_t>(per_call, slab_groups - ng % slab_groups);
         const kernels::prefetch_region ahead =
-            g + 2 * per_call <= ctx_groups
-                ? kernels::prefetch_region{base + ((g + per_call) * heads + per_call * h) * pair, per_call * pair}
-                : kernels::prefetch_region{};
+            nh < heads ? kernels::prefetch_region{at(base, nh, ng), n * pair} : kernels::prefetch_region{};
         t->attend_q4(q.as<float>() + h * per_head, nq, gr, per_call, head_dim, run_max + h * nq, run_sum + h * nq,
                      acc.as<float>() + h * per_head, ahead);
       }
