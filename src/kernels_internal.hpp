@@ -9,6 +9,8 @@
 // not call half.hpp's constexpr conversions or the helpers below (those are for scalar code).
 #include <kvcache/kernels.hpp>
 
+#include <cassert>
+
 namespace kvcache::kernels {
 
 /// Smallest FP16 value >= v for v >= 0 (the Q4 scale is rounded up so the group range is covered).

@@ -151,4 +151,7 @@ inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_
     }
   }
   if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
+  // Every row counted above was taken: the whole region went out (setup_rows is the includer's
+  // attend_nq's own count).
+  assert(rp.step == 0 || rp.at >= rp.end);
 }
