@@ -134,10 +134,11 @@ void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* g, std::u
 inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
                                prefetch_region region) {
+  // Keys wider than int8_key_channels are scored by the float kernel, which takes no rows.
+  const unsigned key_rows = head_dim <= int8_key_channels ? key_channels(head_dim) / 4 : 0;
   unsigned rows = 0;
   for (std::uint32_t j = 0; j < count; ++j)
-    if (groups[j].tokens > 0)
-      rows += key_channels(head_dim) / 4 + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4) + setup_rows(head_dim);
+    if (groups[j].tokens > 0) rows += key_rows + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4) + setup_rows(head_dim);
   if (rows == 0) return;
   line_prefetch rp(region, rows);
   q4_group_ref pair[2];
