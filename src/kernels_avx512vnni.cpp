@@ -230,13 +230,18 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
   between();
   // Lane 4 i: the scale of query i, max|x| / 127, and its inverse (0 where the folded query is all
   // zeros).
-  alignas(64) float scale[G][16], inv[G][16];
+  // The inverses stay in registers, broadcast by a permute: through memory (a store, then a
+  // broadcast load per query) they sat on the step's chain of maxima, division and pass 2
+  // (store forwarding): this way 1.04x on cached groups and 1.03x attend over a two-tier cache
+  // at 32k with 1 thread (Zen 5, process alternation). The scales, used off that chain, stay
+  // in memory (the same for the value weights' inverses: 0.98-1.01x).
+  alignas(64) float scale[G][16];
+  __m512 invv[G];
 #pragma GCC unroll 2
   for (unsigned gi = 0; gi < G; ++gi) {
     const __m512 mx = reduce4(qmax[gi], max_of);
     _mm512_store_ps(scale[gi], _mm512_div_ps(mx, _mm512_set1_ps(127.0f)));
-    _mm512_store_ps(inv[gi], _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                                 _mm512_set1_ps(127.0f), mx));
+    invv[gi] = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), mx);
   }
   // Pass 2: Y of a chunk of channels, then the integer dot products over it (key_dots).
   __m512i acc[G][NQ][2], ysum[G][4];
@@ -273,7 +278,8 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
         }
 #pragma GCC unroll 8
         for (unsigned i = 0; i < NQ; ++i) {
-          const __m512 k1 = _mm512_set1_ps(inv[gi][4 * i]), mg = _mm512_set1_ps(round_magic);
+          const __m512 k1 = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), invv[gi]);
+          const __m512 mg = _mm512_set1_ps(round_magic);
           const __m512i y0 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][0], k1, mg));
           const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
           _mm256_store_si256(reinterpret_cast<__m256i*>(ys[gi][i] + j),
