@@ -7,6 +7,7 @@
 #include <kvcache/detail/storage.hpp>
 #include <kvcache/format.hpp>
 #include <kvcache/kernels.hpp>
+#include <kvcache/two_tier_cache.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -250,7 +251,7 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
 
 // table::attend_q4 as attend() drives it over a two-tier store at 32k (one layer): the store in
 // slabs of slab_groups group slots, as the cache lays them out ([kv head][slab_groups]{key group,
-// value group} a slab, slab_groups the fewest, at least 16, that span a huge page), read head by
+// value group} a slab, slab_groups as the cache picks it for this shape), read head by
 // head, `per_call` groups a call, each call prefetching as many lines as it reads of the next
 // call's groups (attend's stream: those of the same head, contiguous where they lie in one slab;
 // after a head's last call, the next head's first groups). Against /l2 (the same step on cached
@@ -259,12 +260,17 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
 // stream ran 0.8 times as fast as /l2, on huge pages 0.96 (session 14, an older layout).
 void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq, std::uint32_t per_call) {
   constexpr std::size_t pair = key_group + value_group;
-  constexpr std::size_t slab_groups =
-      std::max<std::size_t>(16, (kvcache::detail::huge_page_bytes + heads * pair - 1) / (heads * pair));
-  constexpr std::size_t slab_bytes = slab_groups * heads * pair;
-  constexpr std::size_t slabs = (ctx_groups + slab_groups - 1) / slab_groups;
+  // The cache's own choice for one layer of these heads (settings().slab_groups).
+  static const std::size_t slab_groups = [] {
+    kvcache::two_tier_config tc;
+    tc.shape = {1, heads, head_dim};
+    const auto c = kvcache::two_tier_cache<>::create(tc);
+    return c ? std::size_t{c->settings().slab_groups} : std::size_t{16};
+  }();
+  const std::size_t slab_bytes = slab_groups * heads * pair;
+  const std::size_t slabs = (ctx_groups + slab_groups - 1) / slab_groups;
   // Group g of head h.
-  auto at = [](const std::uint8_t* base, std::size_t h, std::size_t g) {
+  auto at = [slab_bytes](const std::uint8_t* base, std::size_t h, std::size_t g) {
     return base + g / slab_groups * slab_bytes + (h * slab_groups + g % slab_groups) * pair;
   };
   // Allocated as the two-tier cache allocates its store slabs (huge pages advised).
