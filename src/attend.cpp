@@ -195,8 +195,8 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 
 // Small chunks (paged blocks, two-tier store groups across slabs) can lie scattered, where the hardware
 // prefetchers lose the stream at every chunk: the chunk some prefetch_tokens ahead is prefetched
-// in software, to L2 (see row_prefetch.inl), at the rate the kernels read: each kernel call takes
-// as many lines of the stream as it reads itself, and spreads them over its rows. Measured on
+// in software (to L2, to L1 on Zen 5: see row_prefetch.inl), at the rate the kernels read: each
+// kernel call takes as many lines of the stream as it reads itself, and spreads them over its rows. Measured on
 // Zen 4 at 32k tokens (a synthetic read of 16-token f16 blocks, 8 heads x 128, in this order, with
 // the FMAs of attention): lines issued at exactly the read rate kept the blocks at 0.93 to 0.98 of
 // a contiguous stream's bandwidth, shuffled or in order; 1.25 times that rate 0.84, 1.5 to 1.75

@@ -34,10 +34,11 @@ namespace scalar { const table& get() noexcept; }
 // slower on a day of high memory latency and the same on others (row_prefetch.inl), so it keeps L2.
 extern const bool q4_prefetch_to_l1;
 
-// Whether the dense kernels' prefetches (row_prefetch.inl) are prefetcht2 (locality 1) rather than
-// prefetcht1 (locality 2): true on AMD Zen 5 and later, false elsewhere (Arm included); set once at
-// start-up (dispatch.cpp; false until then). Declared for attend_internal.hpp's files too.
-extern const bool dense_prefetch_t2;
+// Whether the dense kernels' prefetches (row_prefetch.inl) go into L1 (prefetcht0, locality 3)
+// rather than L2 (prefetcht1, locality 2): true on AMD Zen 5 and later, false elsewhere (Arm
+// included); set once at start-up (dispatch.cpp; false until then). Declared for
+// attend_internal.hpp's files too.
+extern const bool dense_prefetch_to_l1;
 
 // Whether this CPU's cores split 512-bit vector operations in two 256-bit halves: AMD Zen 4 (CPUID
 // family 0x19; its Zen 3 siblings have no AVX-512). The AVX-512 table then keeps 256-bit dense

@@ -14,13 +14,19 @@
 // likely reason: prefetches into L1 hold its few miss buffers for the whole trip to memory, and the
 // demand loads of the rows being worked on wait behind them; from L2, the hardware's L1 prefetcher
 // and the out-of-order window cover the rest of the latency.
-// On Zen 5 and later they are prefetcht2 (locality 1; dense_prefetch_t2, set in dispatch.cpp):
-// measured there at 32k tokens (f16, 8 kv heads x 128, 32 queries, in-process alternation of
-// two caches of one kind, 80 rounds, 4 runs each), prefetcht2 against prefetcht1 made a paged
-// cache (16-token blocks) 1.07-1.13x faster with 1 thread and 1.08-1.09x with 2, a contiguous
-// one 1.04-1.08x and 1.01-1.03x; prefetcht0 1.07-1.16x paged but 0.98-1.03x contiguous;
-// prefetchnta 1.04-1.10x paged. (The int8 Q4 stream, q4_int8.inl, keeps its own choice: prefetcht2
-// measured 0.98-1.05x of its prefetcht0 there.)
+// On Zen 5 and later they are prefetcht0, into L1 (dense_prefetch_to_l1, set in dispatch.cpp), as
+// the int8 Q4 stream's are there (q4_int8.inl). Until session 29 they were prefetcht2 on Zen 5:
+// measured then at 32k tokens (f16, 8 kv heads x 128, 32 queries, in-process alternation of two
+// caches of one kind, 80 rounds, 4 runs each), prefetcht2 against prefetcht1 made a paged cache
+// (16-token blocks) 1.07-1.13x faster with 1 thread and 1.08-1.09x with 2, a contiguous one
+// 1.04-1.08x and 1.01-1.03x; prefetcht0 1.07-1.16x paged but 0.98-1.03x contiguous. On the Zen 5
+// VM of session 29 (whose memory read 62-67 GB/s with 2 threads, against about 38 before),
+// prefetcht0 against prefetcht2 measured: in BM_attend_paired at 32k with 1 thread (process
+// alternation, 5 rounds) paged 1.11x and contiguous 1.03x; in process, the caches flushed before
+// each step, paged 1.38x and contiguous 1.19x with 1 thread, 1.05x and 1.10x with 2, 1.00x and
+// 1.01x at 4k (from the caches); prefetchnta paged 1.05x, contiguous 1.03-1.04x; prefetcht1
+// against prefetcht2 1.00x. Which level wins has moved with the machine under this VM: measure
+// again where it matters.
 class row_prefetch {
  public:
   row_prefetch(kernels::prefetch_region r, unsigned rows) noexcept {
@@ -33,8 +39,8 @@ class row_prefetch {
   // The lines of `rows` rows of work.
   void rows(unsigned rows) noexcept {
     std::size_t n = per_row_ * rows;
-    if (t2_) {
-      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 1);
+    if (l1_) {
+      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 3);
     } else {
       for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 2);
     }
@@ -43,5 +49,5 @@ class row_prefetch {
  private:
   std::uintptr_t at_ = 0, end_ = 0;
   std::size_t per_row_ = 0;
-  bool t2_ = kernels::dense_prefetch_t2;
+  bool l1_ = kernels::dense_prefetch_to_l1;
 };
