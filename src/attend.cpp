@@ -237,22 +237,25 @@ bool is_q4_group(const chunk& c) { return c.k_format == format::q4 && c.v_format
 // Lines of `bytes` bytes.
 constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
 
-// Issues now, into L1, the lines of Q4 value group a's scales and minimums for kv head h: those of
-// the tile after the one starting, on top of the prefetch stream's. The stream hands the next
-// tile's lines to the fused step in address order, spread over its rows, and a group's value
-// scales lie at its end, so the second group's were issued at the very end of the step; yet the
-// next step reads them in its set-up, before any codes. A small gain, measured on Zen 5 (attend
-// over a two-tier cache, 8 kv heads x 128, 32 queries): at 32k tokens with 1 thread, in-process
-// alternation with the caches flushed between steps (as the paired bench leaves them) 1.02-1.04x
-// in six runs; process alternation 1.016x separate and 1.015x in BM_attend_paired (medians of 6
-// and 10 rounds); 1.00x with 2 threads; at 4k, from the caches, 0.996x. The key scales issued so
-// too added nothing. (This VM's hardware prefetchers do not follow the step's reads: without the
-// stream, attend ran at 0.32x; with every other line of it, 0.50x.)
+// Issues now, at the prefetch stream's level (kernels::prefetch_to_l1: L1 on Zen 5, else L2), the
+// lines of Q4 value group a's scales and minimums for kv head h: those of the tile after the one
+// starting, on top of the prefetch stream's. The stream hands the next tile's lines to the fused
+// step in address order, spread over its rows, and a group's value scales lie at its end, so the
+// second group's were issued at the very end of the step; yet the next step reads them in its
+// set-up, before any codes. A small gain, measured on Zen 5 (attend over a two-tier cache, 8 kv
+// heads x 128, 32 queries): at 32k tokens with 1 thread, in-process alternation with the caches
+// flushed between steps (as the paired bench leaves them) 1.02-1.04x in six runs; process
+// alternation 1.016x separate and 1.015x in BM_attend_paired (medians of 6 and 10 rounds); 1.00x
+// with 2 threads; at 4k, from the caches, 0.996x. The key scales issued so too added nothing. (This
+// VM's hardware prefetchers do not follow the step's reads: without the stream, attend ran at
+// 0.32x; with every other line of it, 0.50x.)
 void early_value_scales(const chunk& a, std::uint32_t h, std::uint32_t hd) {
   const auto base = reinterpret_cast<std::uintptr_t>(a.v_head(h));
   const std::uintptr_t end = base + value_head_bytes(a, hd);
-  for (std::uintptr_t at = (base + q4_value_scales_offset(hd)) & ~std::uintptr_t{63}; at < end; at += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  for (std::uintptr_t at = (base + q4_value_scales_offset(hd)) & ~std::uintptr_t{63}; at < end; at += 64) {
+    if (kernels::prefetch_to_l1) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+    else __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);
+  }
 }
 
 // The lines of queued chunks' heads [ha, hb) (keys, then values, chunk after chunk), handed out as

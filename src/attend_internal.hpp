@@ -4,7 +4,7 @@
 // functions declared here.
 #include <kvcache/kernels.hpp>
 
-#include "kernels_internal.hpp"  // kernels::dense_prefetch_to_l1, for row_prefetch.inl
+#include "kernels_internal.hpp"  // kernels::prefetch_to_l1, for row_prefetch.inl
 
 #include <cstddef>
 #include <cstdint>

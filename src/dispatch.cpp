@@ -162,8 +162,7 @@ result<void> force_isa(isa i) {
 }
 
 namespace kernels {
-const bool q4_prefetch_to_l1 = zen5_or_later();
-const bool dense_prefetch_to_l1 = zen5_or_later();
+const bool prefetch_to_l1 = zen5_or_later();
 bool splits_512bit_operations() noexcept { return amd_family() == 0x19u; }
 
 const table& active() noexcept { return *current().load(std::memory_order_acquire); }

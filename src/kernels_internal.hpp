@@ -25,20 +25,17 @@ namespace kvcache::kernels {
 
 namespace scalar { const table& get() noexcept; }
 
-// Whether the prefetch stream of the int8 Q4 kernels (q4_int8.inl: the chunks attend reads next)
-// is requested into L1 rather than L2: true on AMD Zen 5 and later (CPUID family 0x1A and up),
-// false elsewhere; set once at start-up (dispatch.cpp; false until then). Measured at 32k tokens
-// (decode attention over a two-tier cache, AVX-512, in-process alternation of the two, medians
-// of 40 rounds): on Zen 5, L1 1.09x with 1 thread and 1.15x with 2 (the AVX2 int8 kernels, which
+// Whether the software prefetch streams (the int8 Q4 kernels' line_prefetch, q4_int8.inl; the
+// dense kernels' row_prefetch.inl; attend's early_value_scales) request their lines into L1
+// (prefetcht0, locality 3) rather than L2 (prefetcht1, locality 2): true on AMD Zen 5 and later
+// (CPUID family 0x1A and up), false elsewhere (Arm included); set once at start-up (dispatch.cpp;
+// false until then). Declared for attend_internal.hpp's files too. Measured at 32k tokens: for
+// the Q4 stream (decode attention over a two-tier cache, AVX-512, in-process alternation, medians
+// of 40 rounds) on Zen 5, L1 1.09x with 1 thread and 1.15x with 2 (the AVX2 int8 kernels, which
 // are compute-bound there, the same either way); on Zen 4 an earlier session measured L1 1.5x
-// slower on a day of high memory latency and the same on others (row_prefetch.inl), so it keeps L2.
-extern const bool q4_prefetch_to_l1;
-
-// Whether the dense kernels' prefetches (row_prefetch.inl) go into L1 (prefetcht0, locality 3)
-// rather than L2 (prefetcht1, locality 2): true on AMD Zen 5 and later, false elsewhere (Arm
-// included); set once at start-up (dispatch.cpp; false until then). Declared for
-// attend_internal.hpp's files too.
-extern const bool dense_prefetch_to_l1;
+// slower on a day of high memory latency and the same on others, so it keeps L2. For the dense
+// kernels, see row_prefetch.inl.
+extern const bool prefetch_to_l1;
 
 // Whether this CPU's cores split 512-bit vector operations in two 256-bit halves: AMD Zen 4 (CPUID
 // family 0x19; its Zen 3 siblings have no AVX-512). The AVX-512 table then keeps 256-bit dense

@@ -40,7 +40,7 @@ struct line_prefetch {
   std::uintptr_t first = 0;        // the region's first line
   std::uintptr_t step = 0;         // bytes of lines per row, times 256 (0: none)
   std::uintptr_t due = 0;          // bytes from `first` due so far, times 256
-  bool l1 = false;                 // requested into L1, not L2 (q4_prefetch_to_l1)
+  bool l1 = false;                 // requested into L1, not L2 (prefetch_to_l1)
 
   line_prefetch() = default;
   line_prefetch(prefetch_region r, unsigned rows) {
@@ -49,7 +49,7 @@ struct line_prefetch {
     end = begin + r.bytes;
     const std::size_t lines = (end - at + 63) / 64;
     step = r.bytes == 0 ? 0 : lines * 64 * 256 / (rows == 0 ? 1 : rows) + 1;
-    l1 = q4_prefetch_to_l1;
+    l1 = prefetch_to_l1;
   }
   // The lines of n rows.
   void rows(unsigned n) {

@@ -14,7 +14,7 @@
 // likely reason: prefetches into L1 hold its few miss buffers for the whole trip to memory, and the
 // demand loads of the rows being worked on wait behind them; from L2, the hardware's L1 prefetcher
 // and the out-of-order window cover the rest of the latency.
-// On Zen 5 and later they are prefetcht0, into L1 (dense_prefetch_to_l1, set in dispatch.cpp), as
+// On Zen 5 and later they are prefetcht0, into L1 (prefetch_to_l1, set in dispatch.cpp), as
 // the int8 Q4 stream's are there (q4_int8.inl). From session 25 to 28 they were prefetcht2 on Zen 5:
 // measured then at 32k tokens (f16, 8 kv heads x 128, 32 queries, in-process alternation of two
 // caches of one kind, 80 rounds, 4 runs each), prefetcht2 against prefetcht1 made a paged cache
@@ -49,5 +49,5 @@ class row_prefetch {
  private:
   std::uintptr_t at_ = 0, end_ = 0;
   std::size_t per_row_ = 0;
-  bool l1_ = kernels::dense_prefetch_to_l1;
+  bool l1_ = kernels::prefetch_to_l1;
 };
