@@ -84,7 +84,7 @@ except OSError:
     pass
 cpu_text = ", ".join(f"{k} {v}" for k, v in cpu.items())
 print(f"\nbest of {data['benchmarks'][0].get('repetitions', 1)} repetitions; decode attention, 1 sequence, 8 KV heads x 128, 32 query heads; ISA {isa}; "
-      f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}; {cpu_text}")
+      f"{ctx.get('num_cpus', '?')} CPUs, {ctx.get('host_name', '')}; {cpu_text}; built by {ctx.get('kvcache_compiler', 'an unrecorded compiler')}")
 for t, bw in sorted(read.items()):
     print(f"streaming read (BM_read, {t} thread{'s' if t > 1 else ''}): {bw / 1e9:.2f} GB/s")
 # The ratios below are only as good as this baseline: say so where it looks disturbed (its
