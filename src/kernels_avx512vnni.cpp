@@ -48,16 +48,17 @@
 // Measured on Zen 5 (session 30; GCC 12; cached groups, head_dim 128, 4 queries, two-group tiles,
 // about 320 ns = 1330 cycles a tile): vpdpbusd issues up to 2 a cycle, on two pipes it shares with
 // float multiplies, FMAs and vpermt2b (not with integer adds, logic, maxima or broadcasts from
-// memory); store-to-load forwarding of the weights and folded queries (a vector store, then
-// dword broadcasts from it) works (9-11 cycles). Knocked out one at a time, the tile without
-// any dot product takes 113 ns, the key dots add 80 and the value dots 140 (the value loop alone
-// runs at 2 vpdpbusd a cycle; doubling either adds 78 and 98 ns), against a bound of about 740
-// cycles a tile on those two pipes. A pipelined run of tiles in one call (the next tile's scores
-// placed between a tile's value weights and its value dots) measured 1.03x on cached groups and
-// 1.00x streamed: at function granularity the out-of-order window does not reach across phases,
-// and it was not kept. Groups in L1 or L2 run alike; streamed from memory (8 heads x 1024 groups,
-// one head after the other, with the prefetch stream) the step ran at 0.86-0.90 of its speed on
-// groups in L2, 0.92-0.97 of its speed on groups in L3.
+// memory); store-to-load forwarding of the weights and folded queries (a vector store, then dword
+// broadcasts from it) works (9-11 cycles). Knocked out one at a time, the tile without any dot
+// product takes 113 ns, the key dots add 80 and the value dots 140 (the value loop alone runs at 2
+// vpdpbusd a cycle; doubling either adds 78 and 98 ns), against a bound of about 740 cycles a tile
+// on those two pipes. A pipelined run of tiles in one call (the next tile's scores placed between a
+// tile's value weights and its value dots) measured 1.03x on cached groups and 1.00x streamed: at
+// function granularity the out-of-order window does not reach across phases, and it was not kept;
+// nor were both groups' key dots in one call with the value dots' two column pairs in one call
+// (1.02x cached, 0.99x streamed, medians of 10 alternations). Groups in L1 or L2 run alike;
+// streamed from memory (8 heads x 1024 groups, one head after the other, with the prefetch stream)
+// the step ran at 0.86-0.90 of its speed on groups in L2, 0.92-0.97 of its speed on groups in L3.
 // This file built by Clang 14 runs the step 1.07-1.10x faster (the dot-product phases; the set-up
 // alone the same); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
 // -fsched-pressure, -fno-schedule-insns2, -fno-tree-slp-vectorize, -funroll-loops, IRA options).
