@@ -252,10 +252,8 @@ constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
 void early_value_scales(const chunk& a, std::uint32_t h, std::uint32_t hd) {
   const auto base = reinterpret_cast<std::uintptr_t>(a.v_head(h));
   const std::uintptr_t end = base + value_head_bytes(a, hd);
-  for (std::uintptr_t at = (base + q4_value_scales_offset(hd)) & ~std::uintptr_t{63}; at < end; at += 64) {
-    if (kernels::prefetch_to_l1) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
-    else __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);
-  }
+  for (std::uintptr_t at = (base + q4_value_scales_offset(hd)) & ~std::uintptr_t{63}; at < end; at += 64)
+    kernels::prefetch_line(at, kernels::prefetch_to_l1);
 }
 
 // The lines of queued chunks' heads [ha, hb) (keys, then values, chunk after chunk), handed out as

@@ -10,6 +10,7 @@
 #include <kvcache/kernels.hpp>
 
 #include <cassert>
+#include <cstdint>
 
 namespace kvcache::kernels {
 
@@ -36,6 +37,14 @@ namespace scalar { const table& get() noexcept; }
 // slower on a day of high memory latency and the same on others, so it keeps L2. For the dense
 // kernels, see row_prefetch.inl.
 extern const bool prefetch_to_l1;
+
+// Prefetches the line at `at` for reading, into L1 (prefetcht0) where `l1` (prefetch_to_l1, or a
+// copy a loop keeps in a register), else into L2 (prefetcht1): the one place every software
+// prefetch stream picks its level. Static: ISA files include this header (see the top).
+static inline void prefetch_line(std::uintptr_t at, bool l1) noexcept {
+  if (l1) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  else __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);
+}
 
 // Whether this CPU's cores split 512-bit vector operations in two 256-bit halves: AMD Zen 4 (CPUID
 // family 0x19; its Zen 3 siblings have no AVX-512). The AVX-512 table then keeps 256-bit dense

@@ -56,8 +56,7 @@ struct line_prefetch {
     due += step * n;
     const std::uintptr_t d = first + (due >> 8);
     for (const std::uintptr_t e = d < end ? d : end; at < e; at += 64) {
-      if (l1) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
-      else __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);  // to L2: see row_prefetch.inl
+      prefetch_line(at, l1);
     }
   }
 };

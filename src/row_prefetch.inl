@@ -38,12 +38,7 @@ class row_prefetch {
   }
   // The lines of `rows` rows of work.
   void rows(unsigned rows) noexcept {
-    std::size_t n = per_row_ * rows;
-    if (l1_) {
-      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 3);
-    } else {
-      for (; n > 0 && at_ < end_; --n, at_ += 64) __builtin_prefetch(reinterpret_cast<const void*>(at_), 0, 2);
-    }
+    for (std::size_t n = per_row_ * rows; n > 0 && at_ < end_; --n, at_ += 64) kernels::prefetch_line(at_, l1_);
   }
 
  private:
