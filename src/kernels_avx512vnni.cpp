@@ -62,6 +62,16 @@
 // This file built by Clang 14 runs the step 1.07-1.10x faster (the dot-product phases; the set-up
 // alone the same); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
 // -fsched-pressure, -fno-schedule-insns2, -fno-tree-slp-vectorize, -funroll-loops, IRA options).
+// What GCC 12 does differently (session 31): in value_columns_of<4, 2, 2, true> the loop over the
+// second group's token quads copies 12 of its 16 accumulators between registers every pass and keeps
+// the other 4 in stack slots (39 register copies in the function; Clang's has none). The first
+// group's loop is clean. One loop over both groups' quads, one quad a pass, "=v" with "0" in place of
+// "+v", the intrinsic in place of the assembly, and -fira-region=one|all, -fira-algorithm=priority,
+// -fira-loop-pressure, -fno-ivopts, -fno-move-loop-invariants all kept the copies. An out-of-line
+// loop per group, its accumulators through memory, had no copies but ran the step 1.19x slower
+// (318 -> 378 ns a tile, cached). The copies are not the bound: sampled by perf (cpu-clock), a tile
+// spends about 63 ns in key_dots (its 512 vpdpbusd at two a cycle: 62 ns), 87 ns in
+// value_columns_of with its epilogue, and 155 ns in the set-up.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
