@@ -566,11 +566,13 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // one call per head (validated: off == 0): scores, softmax step and values of all the
         // head's queries over both groups as one tile. Prefetched: the next tile's groups (the
         // distance prefetch_tokens would give, two groups further, ran at 0.94-0.98 of this over
-        // the two-tier store at 32k, 1 and 2 threads, in-process alternation on Zen 5). Up to four
-        // groups a call (two tiles, the next four prefetched) ran 1.04x in BM_attend_step's stream
-        // (g:4 against g:2) but 1.017x in attend with 1 thread (median of 8 process alternations)
-        // and 1.003x in BM_attend_paired's two-tier / f16; a software prefetch of the chunk array
-        // 16 chunks ahead 1.006x (session 31). Neither was kept.
+        // the two-tier store at 32k, 1 and 2 threads, in-process alternation on Zen 5). Session
+        // 31 tried up to four groups a call (two tiles, the next four groups prefetched). In
+        // BM_attend_step's stream it ran 1.04x (g:4 against g:2). In attend, with a prefetch of
+        // the chunk array 16 chunks ahead, it ran 1.017x with 1 thread. The two-tier steps of
+        // BM_attend_paired ran 1.024x with 1 thread but 0.93x with 2. (Medians of 8 process
+        // alternations.) The longer distance costs where two threads share the memory. Neither
+        // change was kept.
         kernels::q4_group_ref gr[2];
         const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
                           range.tokens_of(ci + 1) == view.chunks[ci + 1].tokens;

@@ -72,6 +72,12 @@
 // (318 -> 378 ns a tile, cached). The copies are not the bound: sampled by perf (cpu-clock), a tile
 // spends about 63 ns in key_dots (its 512 vpdpbusd at two a cycle: 62 ns), 87 ns in
 // value_columns_of with its epilogue, and 155 ns in the set-up.
+// Four groups a tile (session 31) was also tried. The keys were scored as two pairs, with one
+// softmax step and one weight grid over all four groups, and run_heads handed four groups a call.
+// With 1 thread at 32k this ran 1.08x in BM_attend (6 process alternations), where part of the
+// store stays in L3 between steps. It ran 0.95x in BM_attend_paired, where every step streams
+// from memory. Prefetching into L2 gave 0.93x there, and eight groups a call 0.88x. It was not
+// kept: the tile's compute gain does not survive the stream.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
