@@ -239,7 +239,7 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
           const std::size_t at = std::size_t{h} * ctx_groups + g + j;
           gr[j] = {k + at * key_group, v + at * value_group, 32};
         }
-        t->attend_q4(q.as<float>(), nq, gr, per_call, head_dim, run_max, run_sum, acc.as<float>(), {});
+        t->attend_q4(q.as<float>(), nq, gr, per_call, head_dim, run_max, run_sum, acc.as<float>());
       }
       steps += groups;
     }
@@ -252,9 +252,9 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
 // table::attend_q4 as attend() drives it over a two-tier store at 32k (one layer): the store in
 // slabs of slab_groups group slots, as the cache lays them out ([kv head][slab_groups]{key group,
 // value group} a slab, slab_groups as the cache picks it for this shape), read head by
-// head, `per_call` groups a call, each call prefetching as many lines as it reads of the next
-// call's groups (attend's stream: those of the same head, contiguous where they lie in one slab;
-// after a head's last call, the next head's first groups). Against /l2 (the same step on cached
+// head, `per_call` groups a call, each group with the next call's group in its place as its ahead
+// group (q4_group_ref: of the same head; after a head's last call, the next head's first groups),
+// as attend hands them over. Against /l2 (the same step on cached
 // groups) this is what streaming the store costs the step, and against BM_attend/two_tier what
 // attend adds to it. The store lies on huge pages as the cache's slabs do: on 4 KiB pages the
 // stream ran 0.8 times as fast as /l2, on huge pages 0.96 (session 14, an older layout).
@@ -298,19 +298,17 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
     std::fill_n(acc.as<float>(), heads * per_head, 0.0f);
     for (std::size_t h = 0; h < heads; ++h)
       for (std::size_t g = 0; g < ctx_groups; g += per_call) {
+        // Ahead of each group: the next call's group in its place, of this head, else the next
+        // head's first ones.
+        const std::size_t nh = g + per_call < ctx_groups ? h : h + 1, ng = g + per_call < ctx_groups ? g + per_call : 0;
         kernels::q4_group_ref gr[2];
         for (std::size_t j = 0; j < per_call; ++j) {
           const std::uint8_t* p = at(base, h, g + j);
-          gr[j] = {p, p + key_group, 32};
+          const std::uint8_t* a = nh < heads && ng + j < ctx_groups ? at(base, nh, ng + j) : nullptr;
+          gr[j] = {p, p + key_group, 32, a, a == nullptr ? nullptr : a + key_group};
         }
-        // The next call's groups: of this head, as far as they lie in one slab; else the next
-        // head's first ones.
-        const std::size_t nh = g + per_call < ctx_groups ? h : h + 1, ng = g + per_call < ctx_groups ? g + per_call : 0;
-        const std::size_t n = std::min<std::size_t>(per_call, slab_groups - ng % slab_groups);
-        const kernels::prefetch_region ahead =
-            nh < heads ? kernels::prefetch_region{at(base, nh, ng), n * pair} : kernels::prefetch_region{};
         t->attend_q4(q.as<float>() + h * per_head, nq, gr, per_call, head_dim, run_max + h * nq, run_sum + h * nq,
-                     acc.as<float>() + h * per_head, ahead);
+                     acc.as<float>() + h * per_head);
       }
     benchmark::ClobberMemory();
   }

@@ -237,25 +237,6 @@ bool is_q4_group(const chunk& c) { return c.k_format == format::q4 && c.v_format
 // Lines of `bytes` bytes.
 constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
 
-// Issues now, at the prefetch stream's level (kernels::prefetch_to_l1: L1 on Zen 5, else L2), the
-// lines of Q4 value group a's scales and minimums for kv head h: those of the tile after the one
-// starting, on top of the prefetch stream's. The stream hands the next tile's lines to the fused
-// step in address order, spread over its rows, and a group's value scales lie at its end, so the
-// second group's were issued at the very end of the step; yet the next step reads them in its
-// set-up, before any codes. A small gain, measured on Zen 5 (attend over a two-tier cache, 8 kv
-// heads x 128, 32 queries): at 32k tokens with 1 thread, in-process alternation with the caches
-// flushed between steps (as the paired bench leaves them) 1.02-1.04x in six runs; process
-// alternation 1.016x separate and 1.015x in BM_attend_paired (medians of 6 and 10 rounds); 1.00x
-// with 2 threads; at 4k, from the caches, 0.996x. The key scales issued so too added nothing. (This
-// VM's hardware prefetchers do not follow the step's reads: without the stream, attend ran at
-// 0.32x; with every other line of it, 0.50x.)
-void early_value_scales(const chunk& a, std::uint32_t h, std::uint32_t hd) {
-  const auto base = reinterpret_cast<std::uintptr_t>(a.v_head(h));
-  const std::uintptr_t end = base + value_head_bytes(a, hd);
-  for (std::uintptr_t at = (base + q4_value_scales_offset(hd)) & ~std::uintptr_t{63}; at < end; at += 64)
-    kernels::prefetch_line(at, kernels::prefetch_to_l1);
-}
-
 // The lines of queued chunks' heads [ha, hb) (keys, then values, chunk after chunk), handed out as
 // each kernel call reads: take(n) gives the call the next n lines.
 class prefetch_stream {
@@ -564,48 +545,44 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       if (filled == 0 && c.kt->attend_q4 != nullptr && is_q4_group(ch)) {
         // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
         // one call per head (validated: off == 0): scores, softmax step and values of all the
-        // head's queries over both groups as one tile. Prefetched: the next tile's groups (the
-        // distance prefetch_tokens would give, two groups further, ran at 0.94-0.98 of this over
-        // the two-tier store at 32k, 1 and 2 threads, in-process alternation on Zen 5). Session
-        // 31 tried up to four groups a call (two tiles, the next four groups prefetched). In
-        // BM_attend_step's stream it ran 1.04x (g:4 against g:2). In attend, with a prefetch of
-        // the chunk array 16 chunks ahead, it ran 1.017x with 1 thread. The two-tier steps of
-        // BM_attend_paired ran 1.024x with 1 thread but 0.93x with 2. (Medians of 8 process
-        // alternations.) The longer distance costs where two threads share the memory. Neither
-        // change was kept.
+        // head's queries over both groups as one tile. The step prefetches the next call's groups
+        // as it reads its own, line for line (q4_group_ref::ahead_k, ahead_v; why, and what it
+        // measured: kernels_avx512vnni.cpp). Two groups further ran at 0.98x. Session 31 tried
+        // four groups a call (two tiles): 1.017x in attend with 1 thread, and in
+        // BM_attend_paired 1.024x with 1 thread but 0.93x with 2 (medians of 8 process
+        // alternations); it was not kept. (This VM's hardware prefetchers do not follow the
+        // step's reads: without software prefetch, attend ran at 0.32x.)
         kernels::q4_group_ref gr[2];
         const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
                           range.tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
         const std::uint32_t n = pair ? 2 : 1;
-        std::size_t lines = 0;
-        const chunk* early[2] = {nullptr, nullptr};  // see early_value_scales
+        // Each call prefetches what the next one reads (q4_group_ref::ahead_k, ahead_v): the same
+        // groups' next head, after the last head the next tile's groups, after the range's last
+        // tile the next head's first one (which starts with a whole group where the range does).
+        const chunk* next[2] = {nullptr, nullptr};
+        std::uint32_t next_first[2] = {ha, ha};  // the head of next[j] read first
         for (std::uint32_t j = 0; j < n; ++j) {
-          const chunk& cj = view.chunks[ci + j];
-          lines += lines_of(key_head_bytes(cj, hd)) + lines_of(value_head_bytes(cj, hd));
           const std::uint32_t ai = ci + n + j;
+          const chunk* a = nullptr;
           if (ai < end) {
-            const chunk& a = view.chunks[ai];
-            if (is_q4_group(a) && prefetchable(a, hd)) {
-              pf.queue(a, ha, hb, hd);
-              early[j] = &a;
-            }
+            a = &view.chunks[ai];
           } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
-            // The range's last tile: the next head's first one instead (which starts with a
-            // whole group where the range does).
-            const chunk& a = view.chunks[b.ci + (ai - end)];
-            if (is_q4_group(a) && prefetchable(a, hd)) pf.queue(a, next_head, next_head + 1, hd);
+            a = &view.chunks[b.ci + (ai - end)];
+            next_first[j] = next_head;
           }
+          if (a != nullptr && is_q4_group(*a)) next[j] = a;
         }
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
           for (std::uint32_t j = 0; j < n; ++j) {
             const chunk& cj = view.chunks[ci + j];
+            const chunk* aj = h + 1 < hb ? &cj : next[j];
+            const std::uint32_t ah = h + 1 < hb ? h + 1 : next_first[j];
             gr[j] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)), reinterpret_cast<const std::uint8_t*>(cj.v_head(h)),
-                     cj.tokens};
+                     cj.tokens, aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->k_head(ah)),
+                     aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->v_head(ah))};
           }
-          for (const chunk* a : early)
-            if (a != nullptr) early_value_scales(*a, h, hd);
-          c.kt->attend_q4(hs.qf, g, gr, n, hd, hs.run_max, hs.run_sum, hs.acc, pf.take(lines));
+          c.kt->attend_q4(hs.qf, g, gr, n, hd, hs.run_max, hs.run_sum, hs.acc);
         }
         ci += n - 1;
         start_ci = ci + 1;  // the tile starts after it

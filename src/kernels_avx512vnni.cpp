@@ -78,6 +78,21 @@
 // store stays in L3 between steps. It ran 0.95x in BM_attend_paired, where every step streams
 // from memory. Prefetching into L2 gave 0.93x there, and eight groups a call 0.88x. It was not
 // kept: the tile's compute gain does not survive the stream.
+// Prefetch (session 32): the fused step prefetches the next call's groups itself, line for line:
+// with each line of a group it loads, the line at the same offset of the group's ahead group
+// (q4_group_ref, struct mirror below), so that every line goes out one tile before it is read
+// and in the order it is read. Before, attend handed over the next tile's lines as one region in
+// address order, spread over the step's rows (most of them in the set-up), while the step reads
+// a tile in another order (both groups' key scales and minimums, the value scales, the key codes,
+// then the value codes column pair by column pair): lines read early in a tile went out late in
+// the one before. A synthetic stream on this Zen 5 VM (10 KB tiles from memory, about 290 ns of
+// FMAs a tile, each line prefetched one tile ahead) shows it: read in address order, the tiles
+// ran as fast as cached ones (293 against 290 ns); read in the step's order, 350-356 ns; with the
+// prefetches issued in the step's order too, 307-313 ns. Prefetching two tiles ahead helped
+// neither order. Measured (process alternation, medians of 6): attend over a two-tier cache at
+// 32k with 1 thread 1.11x (614 -> 679 tokens/s), at 4k 1.06x; BM_attend_paired two-tier / f16
+// 1.12x with 1 thread, 0.99x with 2; BM_attend_step's stream against l2 from 0.82 to 0.92 of its
+// speed. The next call's next groups (two tiles ahead) instead: 0.98x.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -135,6 +150,20 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 #endif
 }
 
+// The fused step's prefetch (see attend_nq_hd): with each line of a group it loads, the line at
+// the same offset of the group's ahead group (q4_group_ref), at distance d bytes; d = 0 where the
+// group has none (the line just loaded: an L1 hit). Into L1 on every CPU: one tile ahead is 10 KB
+// at head_dim 128.
+struct mirror {
+  std::uintptr_t d = 0;
+  __attribute__((always_inline)) void line(const void* p) const {
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + d), _MM_HINT_T0);
+  }
+};
+inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
+  return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group)};
+}
+
 inline std::int32_t dword_at(const void* p) {
   std::int32_t x;
   __builtin_memcpy(&x, p, sizeof x);
@@ -172,9 +201,11 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 // `codes`. Two sets of accumulators (even and odd quads) halve the chains of dependent vpdpbusd.
 // Out of line: inlined into the fused step, GCC 12 kept the accumulators in memory, a load and a
 // store around every vpdpbusd. Quads: `quads` known at compile time (0: not), see attend_nq.
+// Prefetched: the region pf (the separate scores kernel's) spread over the quads, and each quad's
+// line at the ahead group (the fused step's).
 template <unsigned NQ, unsigned Quads = 0>
 __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quads, const std::int8_t* ys,
-                                        __m512i (&acc)[NQ][2], line_prefetch& pfr) {
+                                        __m512i (&acc)[NQ][2], line_prefetch& pfr, mirror ahead) {
   if constexpr (Quads != 0) quads = Quads;
   line_prefetch pf = pfr;
   const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
@@ -186,6 +217,7 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
     a[1][i][0] = a[1][i][1] = _mm512_setzero_si512();
   }
   auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
+    ahead.line(codes + 64 * j);
     const __m512i x = _mm512_loadu_si512(codes + 64 * j);
     const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
@@ -221,18 +253,21 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 // other, in-process alternation, session 16 on Zen 4).
 // `between` runs after the first pass, where the horizontal maxima and the divisions that follow
 // leave the vector pipes idle: the caller's work that does not depend on the scores.
-// Setup: rows of the prefetch region each group takes per 16 channels of pass 1 and per 32 of
-// pass 2 (see setup_rows; 0 in the separate scores kernel). HD: hd known at compile time (0: not),
-// see attend_nq.
+// Each group's ahead group (gr[gi].ahead_k) is prefetched line for line as the group is read (see
+// attend_nq_hd); pf, the separate kernel's region, is spread over the key dots. HD: hd known at
+// compile time (0: not), see attend_nq.
 struct nothing {
   void operator()() const {}
 };
-template <unsigned NQ, unsigned G, unsigned Setup = 0, unsigned HD = 0, class Between = nothing>
+template <unsigned NQ, unsigned G, unsigned HD = 0, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
                                                        Between between = {}) {
   if constexpr (HD != 0) hd = HD;
   line_prefetch pf = pfr;
+  mirror ahead[G];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) ahead[gi] = mirror_of(gr[gi].k, gr[gi].ahead_k);
   // Pass 1: the folded query x_d = q_d s_d (kept up to cached_channels), the largest |x_d| of
   // each query and sum_d q_d (m_d + 8 s_d) (the minimums, and the centring added back below).
   __m512 qmax[G][4], mterm[G][4];
@@ -247,9 +282,12 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
     __m512 qv[NQ];
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) qv[i] = _mm512_maskz_loadu_ps(lanes_mask(n), q + i * hd + c);
-    if constexpr (Setup > 0) pf.rows(G * Setup);
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi) {
+      if (c % 32 == 0) {  // a line of scales and one of minimums per 32 channels
+        ahead[gi].line(gr[gi].k + key_scales_at(hd) + 2 * c);
+        ahead[gi].line(gr[gi].k + key_mins_at(hd) + 2 * c);
+      }
       const __m512 s = halves(gr[gi].k + key_scales_at(hd) + 2 * c, n), m = halves(gr[gi].k + key_mins_at(hd) + 2 * c, n);
       const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
 #pragma GCC unroll 8
@@ -293,7 +331,6 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
   for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
     const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
     for (unsigned j = 0; j < nd; j += 32) {
-      if constexpr (Setup > 0) pf.rows(G * Setup);
 #pragma GCC unroll 2
       for (unsigned gi = 0; gi < G; ++gi) {
         __m512 x[NQ][2];
@@ -346,7 +383,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi)
       key_dots<NQ, (HD != 0 && HD <= key_chunk) ? (HD + 3) / 4 : 0>(gr[gi].k + std::size_t{16} * c0, (nd + 3) / 4,
-                                                                   &ys[gi][0][0], acc[gi], pf);
+                                                                   &ys[gi][0][0], acc[gi], pf, ahead[gi]);
   }
 #pragma GCC unroll 2
   for (unsigned gi = 0; gi < G; ++gi)
@@ -382,12 +419,14 @@ void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned 
 constexpr unsigned value_columns = 4;  // block columns per set-up (one reduction tree)
 
 // The value groups of one softmax tile, G (1, 2) of them: group gi's codes v[gi], its tokens in
-// range (bit t: token t) tm[gi], covered by its token quads [q0[gi], q1[gi]).
+// range (bit t: token t) tm[gi], covered by its token quads [q0[gi], q1[gi]), and its ahead
+// group's mirror (none: distance 0).
 template <unsigned G>
 struct tile_groups {
   const std::uint8_t* v[G];
   __mmask32 tm[G];
   unsigned q0[G], q1[G];
+  mirror ahead[G] = {};  // of the value groups
 };
 
 // What the set-up of a batch of columns hands the integer loop, per query i and column c.
@@ -409,6 +448,8 @@ struct column_weights {
 // Two columns a call: 4 NQ independent chains of vpdpbusd (latency 4) rather than 2 NQ, and half
 // the calls. Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
 // Full: every group's token quads are 0..7 (all 32 tokens in range), a loop of fixed length.
+// Prefetched: the region pf spread over the quads, and each row's line at its group's ahead group
+// (tg.ahead).
 template <unsigned NQ, unsigned NC, unsigned G, bool Full = false>
 __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::size_t at, const std::uint8_t* w,
                                                 std::size_t w_stride, const float* step, const float* base,
@@ -428,6 +469,7 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
     auto quad = [&](unsigned j) __attribute__((always_inline)) {
 #pragma GCC unroll 2
       for (unsigned c = 0; c < NC; ++c) {
+        tg.ahead[gi].line(codes + std::size_t{512} * c + 64 * j);
         const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
         // (a & b) ^ c: imm 0x6A.
         const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
@@ -521,6 +563,8 @@ __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>&
     if (c < nc) {
 #pragma GCC unroll 2
       for (unsigned gi = 0; gi < G; ++gi) {
+        tg.ahead[gi].line(tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
+        tg.ahead[gi].line(tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
         column_halves(tg.v[gi] + value_scales_at(hd), g0 + c, tg.tm[gi], sl[c][gi], sh[c][gi]);
         sm[c] = _mm512_max_ps(sm[c], _mm512_max_ps(sl[c][gi], sh[c][gi]));
       }
@@ -670,21 +714,8 @@ void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, 
 // ---- the online-softmax step over one tile of G (1, 2) groups: scores, weights and values of
 // four queries ----
 
-// Rows of the prefetch region a group takes per 16 channels of pass 1 and per 32 of pass 2 of its
-// scores' set-up, beside one per channel quad of its key dots and one per token quad of each value
-// column. The set-up is nearly half of the step; with no rows of its own, the region's lines went
-// out only during the dot products, in bursts, and memory idled through the set-up. Measured on
-// Zen 5 (attend over a two-tier cache, 32k tokens, 8 kv heads x 128, 32 queries, in-process
-// alternation against no set-up rows, 40 rounds): 6 rows 1.06-1.07x with 1 thread, 1.06x with 2;
-// 3 to 12 rows all 1.04-1.07x, 16 1.03x; at 4k tokens, which the caches hold, 0.99x. Rows later in
-// the set-up (at the softmax step, at the value columns' weights) measured 0.98-1.03x: the lines
-// are worth most early in the step, ahead of the dot products that read the next tile.
-constexpr unsigned setup_rows_per_pass = 6;
-
-unsigned setup_rows(unsigned head_dim) {
-  if (head_dim > int8_key_channels) return 0;  // the float scores: no set-up passes
-  return setup_rows_per_pass * ((head_dim + 15) / 16 + (head_dim + 31) / 32);
-}
+// The fused step prefetches for itself (mirror): no set-up rows, and attend_q4 hands it no region.
+unsigned setup_rows(unsigned) { return 0; }
 
 #include "avx512_float_ops.inl"
 using S = avx512_float_ops;
@@ -709,6 +740,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   for (unsigned gi = 0; gi < G; ++gi) {
     const unsigned tokens = gr[gi].tokens;
     tg.v[gi] = gr[gi].v;
+    tg.ahead[gi] = mirror_of(gr[gi].v, gr[gi].ahead_v);
     tg.tm[gi] = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
     tg.q0[gi] = 0;
     tg.q1[gi] = (tokens + 3) / 4;
@@ -719,7 +751,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
   auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, setup_rows_per_pass, HD>(q, gr, hd, s, pf, prepare);
+    scores_of<NQ, G, HD>(q, gr, hd, s, pf, prepare);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
@@ -846,8 +878,8 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 }
 
 void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
-  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, pf);
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc) {
+  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, false);
 }
 
 }  // namespace kvcache::kernels::avx512vnni

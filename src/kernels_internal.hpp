@@ -61,7 +61,7 @@ using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_
                               std::uint32_t first, std::uint32_t tokens, std::uint32_t head_dim, float* acc,
                               prefetch_region pf);
 using attend_q4_fn = void(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-                          std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf);
+                          std::uint32_t head_dim, float* run_max, float* run_sum, float* acc);
 #if defined(KVCACHE_HAVE_AVX2)
 namespace avx2 {
 const table& get() noexcept;

@@ -343,8 +343,8 @@ void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const
 }
 
 void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, prefetch_region pf) {
-  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, pf);
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc) {
+  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, true);
 }
 
 }  // namespace kvcache::kernels::neondot

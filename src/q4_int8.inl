@@ -26,6 +26,9 @@ constexpr std::size_t key_mins_at(unsigned hd) { return std::size_t{18} * key_ch
 // scales [B][32], mins [B][32] (column g's 32 halves at byte 64 g of each).
 constexpr std::size_t value_scales_at(unsigned hd) { return std::size_t{512} * value_blocks(hd); }
 constexpr std::size_t value_mins_at(unsigned hd) { return std::size_t{576} * value_blocks(hd); }
+constexpr std::size_t key_group_bytes(unsigned hd) { return std::size_t{20} * key_channels(hd); }
+constexpr std::size_t value_group_bytes(unsigned hd) { return std::size_t{640} * value_blocks(hd); }
+static_assert(key_group_bytes(100) == q4_key_group_bytes(100) && value_group_bytes(80) == q4_value_group_bytes(80));
 static_assert(key_scales_at(100) == q4_key_scales_offset(100) && key_mins_at(99) == q4_key_mins_offset(99) &&
               value_scales_at(80) == q4_value_scales_offset(80) && value_mins_at(8) == q4_value_mins_offset(8));
 static_assert(q4_key_code_byte(6, 17) == 64 * 1 + 4 * 1 + 2 && q4_value_code_byte(6, 37) == 512 + 64 * 1 + 4 * 5 + 2,
@@ -125,21 +128,40 @@ void attend_tile(const float* q, std::uint32_t nq, const q4_group_ref* g, std::u
   }
 }
 
+// The lines of the groups' ahead_k and ahead_v (q4_group_ref) as one region: from the first
+// group's ahead_k on, keys then values, group after group, as far as they follow one another in
+// memory (as one head's groups do in the two-tier store, up to a slab's end). A hint: where the
+// run breaks off, the region ends.
+inline prefetch_region ahead_region(const q4_group_ref* groups, std::uint32_t count, unsigned hd) {
+  const std::uint8_t* begin = nullptr;
+  const std::uint8_t* end = nullptr;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const q4_group_ref& g = groups[j];
+    if (g.tokens == 0) continue;
+    if (g.ahead_k == nullptr || (begin != nullptr && g.ahead_k != end)) break;
+    if (begin == nullptr) begin = g.ahead_k;
+    end = g.ahead_k + key_group_bytes(hd);
+    if (g.ahead_v != end) break;
+    end += value_group_bytes(hd);
+  }
+  return {begin, static_cast<std::size_t>(end - begin)};
+}
+
 // The table entry (kernels::table::attend_q4) where the including file defines attend_nq: two
-// groups a tile (a last odd one alone), groups without tokens skipped. The prefetch region is
-// spread over the channel quads of the first queries' scores, the token quads of their value
-// columns and the set-up rows of the includer's step (setup_rows), over all the groups (all of
-// it in the scores alone, three lines a quad, stalled them).
+// groups a tile (a last odd one alone), groups without tokens skipped. Where `spread` is set, the
+// groups' ahead lines (ahead_region) are spread over the channel quads of the first queries'
+// scores, the token quads of their value columns and the set-up rows of the includer's step
+// (setup_rows), over all the groups (all of it in the scores alone, three lines a quad, stalled
+// them); where it is not, the includer's step prefetches them itself (kernels_avx512vnni.cpp).
 inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-                               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
-                               prefetch_region region) {
+                               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, bool spread) {
   // Keys wider than int8_key_channels are scored by the float kernel, which takes no rows.
   const unsigned key_rows = head_dim <= int8_key_channels ? key_channels(head_dim) / 4 : 0;
   unsigned rows = 0;
   for (std::uint32_t j = 0; j < count; ++j)
     if (groups[j].tokens > 0) rows += key_rows + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4) + setup_rows(head_dim);
   if (rows == 0) return;
-  line_prefetch rp(region, rows);
+  line_prefetch rp(spread ? ahead_region(groups, count, head_dim) : prefetch_region{}, rows);
   q4_group_ref pair[2];
   unsigned n = 0;
   for (std::uint32_t j = 0; j < count; ++j) {

@@ -785,14 +785,32 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
             }
             for (std::uint32_t j = 0; j < nq * hd; ++j) acc[1 + j] = state == 0 ? 0.0f : normal();
             const std::vector<float> max0 = run_max, sum0 = run_sum, acc0 = acc;
-            // With a prefetch region in state 1 (the next call's groups, as attend hands over; here
-            // some 5000 bytes): builds with assertions check that the step takes every row of it
-            // that the table entry counts (attend_q4_by_tiles). The results do not depend on it.
-            const kernels::prefetch_region ahead =
-                state == 1 ? kernels::prefetch_region{q.data(), std::min<std::size_t>(q.size() * sizeof(float), 5000)}
-                           : kernels::prefetch_region{};
+            // Ahead groups (q4_group_ref::ahead_k, ahead_v: only prefetched). State 1: every
+            // group's in one run of [key group][value group] slots, as the two-tier store lays out
+            // a head's groups, which the AVX2 and NEON steps spread over their rows (builds with
+            // assertions check that every row counted takes its share); state 2: the groups
+            // themselves in reverse, apart. The results must be those of no ahead groups, bit
+            // for bit.
+            const std::size_t kgb = kvcache::q4_key_group_bytes(hd), vgb = kvcache::q4_value_group_bytes(hd);
+            std::vector<std::uint8_t> run_store(n * (kgb + vgb), 0x5A);
+            std::vector<kernels::q4_group_ref> plain_refs = refs;
+            for (std::size_t j = 0; j < n; ++j) {
+              if (state == 1) {
+                refs[j].ahead_k = run_store.data() + j * (kgb + vgb);
+                refs[j].ahead_v = refs[j].ahead_k + kgb;
+              } else if (state == 2) {
+                refs[j].ahead_k = kbs[n - 1 - j].data();
+                refs[j].ahead_v = vbs[n - 1 - j].data();
+              }
+            }
+            std::vector<float> run_max2 = run_max, run_sum2 = run_sum, acc2 = acc;
             t->attend_q4(q.data() + 1, nq, refs.data(), static_cast<std::uint32_t>(n), hd, run_max.data() + 1,
-                         run_sum.data() + 1, acc.data() + 1, ahead);
+                         run_sum.data() + 1, acc.data() + 1);
+            t->attend_q4(q.data() + 1, nq, plain_refs.data(), static_cast<std::uint32_t>(n), hd, run_max2.data() + 1,
+                         run_sum2.data() + 1, acc2.data() + 1);
+            ASSERT_EQ(run_max, run_max2) << "ahead groups changed the maxima";
+            ASSERT_EQ(run_sum, run_sum2) << "ahead groups changed the sums";
+            ASSERT_EQ(acc, acc2) << "ahead groups changed the value sums";
             ASSERT_EQ(run_max[0], max0[0]);
             ASSERT_EQ(run_max.back(), max0.back());
             ASSERT_EQ(acc[0], acc0[0]);
@@ -940,8 +958,8 @@ TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
           acc2 = acc;
           std::vector<float> acc1 = acc;
           const kernels::q4_group_ref* gs = count == 1 ? groups + 1 : groups;
-          t_->attend_q4(q.data(), nq, gs, count, hd, m1.data(), s1.data(), acc1.data(), {});
-          plain->attend_q4(q.data(), nq, gs, count, hd, m2.data(), s2.data(), acc2.data(), {});
+          t_->attend_q4(q.data(), nq, gs, count, hd, m1.data(), s1.data(), acc1.data());
+          plain->attend_q4(q.data(), nq, gs, count, hd, m2.data(), s2.data(), acc2.data());
           ASSERT_EQ(0, std::memcmp(m1.data(), m2.data(), nq * sizeof(float))) << "fused step maxima differ, groups=" << count;
           ASSERT_EQ(0, std::memcmp(s1.data(), s2.data(), nq * sizeof(float))) << "fused step sums differ, groups=" << count;
           ASSERT_EQ(0, std::memcmp(acc1.data(), acc2.data(), acc1.size() * sizeof(float)))

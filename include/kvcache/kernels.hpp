@@ -43,11 +43,16 @@ struct prefetch_region {
 };
 
 /// One Q4 group of table::attend_q4: key group k and value group v (format.hpp) of `tokens`
-/// (0..32) tokens.
+/// (0..32) tokens, and the key and value groups (ahead_k, ahead_v, of the same head_dim; null:
+/// none) whose lines the step prefetches while it reads this group's: typically the group the
+/// caller hands over one call later in the same place. Only a hint, as prefetch_region is: never
+/// read otherwise, and results do not depend on it.
 struct q4_group_ref {
   const std::uint8_t* k = nullptr;
   const std::uint8_t* v = nullptr;
   std::uint32_t tokens = 0;
+  const std::uint8_t* ahead_k = nullptr;
+  const std::uint8_t* ahead_v = nullptr;
 };
 
 /// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
@@ -119,11 +124,10 @@ struct table {
   /// acc[i][..] += sum_t w_t v_t as accumulate_q4 sums it (in int8 arithmetic with the weights on
   /// one grid over the tile), run_max[i] = m.
   /// One call instead of three per group, with the scores and weights of four queries kept side
-  /// by side. pf: see prefetch_region.
+  /// by side. Prefetches each group's ahead_k and ahead_v (see q4_group_ref).
   /// // q [nq][head_dim], groups [count], run_max, run_sum [nq], acc [nq][head_dim]
   void (*attend_q4)(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
-                    std::uint32_t head_dim, float* run_max, float* run_sum, float* acc,
-                    prefetch_region pf) = nullptr;
+                    std::uint32_t head_dim, float* run_max, float* run_sum, float* acc) = nullptr;
 
   /// scores_f16 / scores_f32 of `heads` kv heads in one call, as a paged block holds them side by
   /// side: head j's queries at q + j * q_head_stride floats, its keys at k + j * k_head_stride
