@@ -570,7 +570,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
             a = &view.chunks[b.ci + (ai - end)];
             next_first[j] = next_head;
           }
-          if (a != nullptr && is_q4_group(*a)) next[j] = a;
+          if (a != nullptr && is_q4_group(*a) && prefetchable(*a, hd)) next[j] = a;
         }
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);

@@ -150,7 +150,7 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 #endif
 }
 
-// The fused step's prefetch (see attend_nq_hd): with each line of a group it loads, the line at
+// The fused step's prefetch (see this file's header): with each line of a group it loads, the line at
 // the same offset of the group's ahead group (q4_group_ref), at distance d bytes; d = 0 where the
 // group has none (the line just loaded: an L1 hit). Into L1 on every CPU: one tile ahead is 10 KB
 // at head_dim 128.
