@@ -69,9 +69,12 @@
 // "+v", the intrinsic in place of the assembly, and -fira-region=one|all, -fira-algorithm=priority,
 // -fira-loop-pressure, -fno-ivopts, -fno-move-loop-invariants all kept the copies. An out-of-line
 // loop per group, its accumulators through memory, had no copies but ran the step 1.19x slower
-// (318 -> 378 ns a tile, cached). The copies are not the bound: sampled by perf (cpu-clock), a tile
-// spends about 63 ns in key_dots (its 512 vpdpbusd at two a cycle: 62 ns), 87 ns in
-// value_columns_of with its epilogue, and 155 ns in the set-up.
+// (318 -> 378 ns a tile, cached). In session 32, with the line-for-line prefetch below, the
+// loop over the groups not unrolled, or the 16 accumulators pinned to zmm16..zmm31 (explicit
+// register variables: no copies left), ran the step 1.03x faster on cached groups but attend at
+// 32k 0.96-0.98x (1 thread, process alternation); neither was kept. The copies are not the
+// bound: sampled by perf (cpu-clock), a tile spends about 63 ns in key_dots (its 512 vpdpbusd at
+// two a cycle: 62 ns), 87 ns in value_columns_of with its epilogue, and 155 ns in the set-up.
 // Four groups a tile (session 31) was also tried. The keys were scored as two pairs, with one
 // softmax step and one weight grid over all four groups, and run_heads handed four groups a call.
 // With 1 thread at 32k this ran 1.08x in BM_attend (6 process alternations), where part of the
