@@ -56,7 +56,7 @@ std::uint32_t large_tile(const layer_view& view) {
 }
 
 // Average tokens per chunk from which a view is read head by head (see run_task).
-constexpr std::uint32_t large_chunk_tokens = 64;
+constexpr std::uint32_t large_chunk_tokens = 128;
 
 std::size_t round_up64(std::size_t floats) { return (floats + 15) / 16 * 16; }
 
@@ -639,14 +639,19 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 }
 
 // Whether a task reads the view head by head: where its chunks are large (a contiguous cache;
-// paged blocks of two tiles or more, whose ends prefetch the following block's rows: 64-token
-// blocks ran at 0.78 of contiguous all heads together, 0.96 head by head), or where a chunk's kv
-// heads lie apart rather than side by side (the two-tier store, which keeps each head's groups in
-// one run). Small chunks with their heads side by side (paged blocks of 16 or 32 tokens) are read
-// all heads together, so that each chunk is one stream.
+// paged blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
+// prefetch stream cannot take them (prefetchable: f32 or wide heads in 64-token blocks), or where
+// a chunk's kv heads lie apart rather than side by side (the two-tier store, which keeps each
+// head's groups in one run). Small chunks with their heads side by side (paged blocks of 16 to 64
+// tokens) are read all heads together, so that each chunk is one stream. 64-token blocks were read
+// head by head until session 33 (measured on Zen 4 then: 0.78 of contiguous all heads together,
+// 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8 kv heads x 128, 32 queries,
+// process alternation), all heads together ran 1.20x faster with 1 thread (0.76 -> 0.92 of
+// contiguous) and 1.14x with 2.
 bool head_by_head(const layer_view& view, std::uint32_t hd) {
   if (view.count <= 1 || view.tokens / view.count >= large_chunk_tokens) return true;
   const chunk& c = view.chunks[0];
+  if (view.tokens / view.count >= large_chunk_tokens / 2 && !prefetchable(c, hd)) return true;
   return c.k_head_stride > key_head_bytes(c, hd) + value_head_bytes(c, hd);
 }
 

@@ -269,11 +269,16 @@ struct shape {
 };
 
 // Chunkings, as the caches produce them (and some they do not).
-// paged80_f16: blocks large enough to be read head by head, in tiles that straddle block ends.
-enum class pattern { contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, paged80_f16, two_tier, q4_only, mixed };
+// paged80_f16: blocks read all heads together in tiles that straddle block ends where the prefetch
+// stream takes them (a head's keys up to 16 KB), else (head_dim 128) head by head.
+// paged144_f16: blocks large enough to be read head by head at any head_dim, in tiles that
+// straddle block ends.
+enum class pattern {
+  contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, paged80_f16, paged144_f16, two_tier, q4_only, mixed
+};
 const pattern all_patterns[] = {pattern::contiguous_f32, pattern::contiguous_f16, pattern::paged16_f16,
-                                pattern::paged32_f32,    pattern::paged80_f16,    pattern::two_tier,
-                                pattern::q4_only,        pattern::mixed};
+                                pattern::paged32_f32,    pattern::paged80_f16,    pattern::paged144_f16,
+                                pattern::two_tier,       pattern::q4_only,        pattern::mixed};
 const char* name(pattern p) {
   switch (p) {
     case pattern::contiguous_f32: return "contiguous_f32";
@@ -281,6 +286,7 @@ const char* name(pattern p) {
     case pattern::paged16_f16: return "paged16_f16";
     case pattern::paged32_f32: return "paged32_f32";
     case pattern::paged80_f16: return "paged80_f16";
+    case pattern::paged144_f16: return "paged144_f16";
     case pattern::two_tier: return "two_tier";
     case pattern::q4_only: return "q4_only";
     case pattern::mixed: return "mixed";
@@ -299,6 +305,7 @@ std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) 
     case pattern::paged16_f16: blocks(16, format::f16); break;
     case pattern::paged32_f32: blocks(32, format::f32); break;
     case pattern::paged80_f16: blocks(80, format::f16); break;
+    case pattern::paged144_f16: blocks(144, format::f16); break;
     case pattern::q4_only: blocks(32, format::q4); break;
     case pattern::two_tier: {  // 32-token Q4 groups, then an f16 tail of 40..71 tokens
       const std::uint32_t store = n > 40 ? (n - 40) / 32 * 32 : 0;
@@ -961,7 +968,7 @@ TEST(attend, random_batches_on_any_worker_count_match_one_thread) {
   // often as the rest; half the rounds on 2 to 4 workers, where a batch is many sequences a worker.
   const pattern patterns[] = {pattern::contiguous_f16, pattern::paged16_f16, pattern::paged32_f32,
                               pattern::paged80_f16,    pattern::two_tier,    pattern::mixed,
-                              pattern::paged16_f16,    pattern::paged32_f32};
+                              pattern::paged16_f16,    pattern::paged32_f32, pattern::paged144_f16};
   const int rounds = emulated() ? 16 : 100;
   for (int round = 0; round < rounds; ++round) {
     const pattern p = patterns[rng() % std::size(patterns)];
