@@ -269,8 +269,8 @@ struct shape {
 };
 
 // Chunkings, as the caches produce them (and some they do not).
-// paged80_f16: blocks read all heads together in tiles that straddle block ends where the prefetch
-// stream takes them (a head's keys up to 16 KB), else (head_dim 128) head by head.
+// paged80_f16: blocks read all heads together (the prefetch stream takes a head's keys up to 32 KB),
+// in tiles that straddle block ends.
 // paged144_f16: blocks large enough to be read head by head at any head_dim, in tiles that
 // straddle block ends.
 enum class pattern {
