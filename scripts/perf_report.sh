@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Decode-attention performance report (DESIGN.md section 3): runs kvcache_bench once, filtered to
 # the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16,
-# paged f16 and two-tier Q4 at 4k and 32k tokens (8 KV heads x 128, 32 query heads, 1 layer):
-# tokens/s, K+V bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the
-# same run with the same thread count, and the ratios paged/contiguous and two-tier/f16; then the
-# same two ratios measured paired (BM_attend_paired: one step of each cache in turn, which a
-# machine whose speed drifts disturbs less than separate benchmarks).
+# paged f16 (16-token blocks; 64-token ones at 32k too, for comparison) and two-tier Q4 at 4k
+# and 32k tokens (8 KV heads x 128, 32 query heads, 1 layer): tokens/s, K+V bytes read per
+# second, the ratio to the streaming-read bandwidth (BM_read) of the same run with the same
+# thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
+# measured paired (BM_attend_paired: one step of each cache in turn, which a machine whose speed
+# drifts disturbs less than separate benchmarks).
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
@@ -38,7 +39,7 @@ fi
 
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
-"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|two_tier)/[^/]+/$isa/|^BM_attend_paired/$isa/" \
+"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|paged_b64|two_tier)/[^/]+/$isa/|^BM_attend_paired/$isa/" \
   --benchmark_min_time="$min_time" --benchmark_repetitions="$repetitions" --benchmark_enable_random_interleaving=true --benchmark_out="$out" --benchmark_out_format=json >&2
 
 python3 - "$out" "$isa" <<'EOF'
@@ -101,16 +102,20 @@ for (cache, n, t), (tps, bps) in sorted(rows.items(), key=lambda kv: (kv[0][1], 
     ratio = bps / read[t] if t in read else float("nan")
     print(f"{cache:<16} {n:>8} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f}")
 print()
-print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>17} {'two-tier/f16':>13}   (tokens/s ratios; targets >= 0.9, >= 2.5)")
+print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>17} {'two-tier/f16':>13} {'paged_b64/contiguous':>21}")
 for n in sorted({k[1] for k in rows}):
     for t in sorted({k[2] for k in rows}):
         c = rows.get(("contiguous f16", n, t))
         p = rows.get(("paged f16", n, t))
         q = rows.get(("two_tier q4", n, t))
+        p64 = rows.get(("paged_b64 f16", n, t))
         if c:
             pc = f"{p[0] / c[0]:.3f}" if p else "-"
             qc = f"{q[0] / c[0]:.3f}" if q else "-"
-            print(f"{n:>8} {t:>7} {pc:>17} {qc:>13}")
+            p64c = f"{p64[0] / c[0]:.3f}" if p64 else "-"
+            print(f"{n:>8} {t:>7} {pc:>17} {qc:>13} {p64c:>21}")
+print("(tokens/s ratios; targets: paged/contiguous >= 0.9 with the default 16-token blocks, two-tier/f16 >= 2.5;")
+print(" paged_b64: 64-token blocks, 32k only, for comparison)")
 if paired:
     print()
     print("paired (BM_attend_paired: one step of each cache in turn, ratios of summed step times;")
