@@ -116,6 +116,9 @@ inline segment_data make_segment(rng& r, format kf, format vf, std::uint32_t pag
     s.k_dec.push_back(std::move(kd));
     s.v_dec.push_back(std::move(vd));
   }
+  // A segment without pages (every length 0) still hands attend an indices array, as the caches'
+  // device tables do: validate_attend rejects a null one. One entry past indptr's last, unused.
+  if (s.indices.empty()) s.indices.push_back(0);
   return s;
 }
 

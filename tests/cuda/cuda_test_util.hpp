@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -83,11 +84,16 @@ kvcache::result<std::vector<T>> download(const kvcache::cuda& where, const T* de
   return h;
 }
 
-/// Random source seeded freshly per test; print trace() with failures.
+/// Random source seeded freshly per test, or with KVCACHE_TEST_SEED's seed (every rng then takes
+/// it: to replay a failure, whose trace() prints the seed).
 struct rng {
-  std::uint32_t seed = std::random_device{}();
+  std::uint32_t seed = initial_seed();
   std::mt19937 gen{seed};
-  std::string trace() const { return "random seed " + std::to_string(seed); }
+  std::string trace() const { return "random seed " + std::to_string(seed) + " (KVCACHE_TEST_SEED=" + std::to_string(seed) + ")"; }
+  static std::uint32_t initial_seed() {
+    if (const char* s = std::getenv("KVCACHE_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+    return std::random_device{}();
+  }
   float uniform(float lo = -1.0f, float hi = 1.0f) { return std::uniform_real_distribution<float>(lo, hi)(gen); }
   std::uint32_t between(std::uint32_t lo, std::uint32_t hi) {
     return std::uniform_int_distribution<std::uint32_t>(lo, hi)(gen);
