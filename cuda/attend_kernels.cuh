@@ -954,8 +954,13 @@ inline result<void> validate_attend(const attend_params& p) {
         return fail(errc::invalid_argument, "cuda_attend: Q4 pages and strides must be 4-byte aligned",
                     {{"segment", s}, {"keys", keys ? 1 : 0}});
     }
-    if (t.batch != p.batch || t.indptr == nullptr || t.indices == nullptr || t.last_page_len == nullptr)
-      return fail(errc::invalid_argument, "cuda_attend: segment table", {{"segment", s}, {"table_batch", t.batch}, {"batch", p.batch}});
+    if (t.batch != p.batch)
+      return fail(errc::invalid_argument, "cuda_attend: segment table batch", {{"segment", s}, {"table_batch", t.batch}, {"batch", p.batch}});
+    // A table without pages still needs its arrays (the caches' device tables always have them).
+    if (t.indptr == nullptr || t.indices == nullptr || t.last_page_len == nullptr)
+      return fail(errc::invalid_argument, "cuda_attend: segment table array is null",
+                  {{"segment", s}, {"indptr_null", t.indptr == nullptr ? 1 : 0}, {"indices_null", t.indices == nullptr ? 1 : 0},
+                   {"last_page_len_null", t.last_page_len == nullptr ? 1 : 0}});
     if (p.max_splits[s] == 0 || p.max_splits[s] > 65535)
       return fail(errc::invalid_argument, "cuda_attend: max_splits", {{"segment", s}, {"max_splits", p.max_splits[s]}});
   }

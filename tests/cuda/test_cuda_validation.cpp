@@ -159,6 +159,17 @@ TEST(cuda_validation, attend_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.workspace = nullptr; }), "workspace");
   expect_error(errc::unsupported, with([](auto& p) { p.pages[0].k_format = format::q4; }), "q4 with 16-token pages");
   expect_error(errc::invalid_argument, with([](auto& p) { p.tables[0].batch = 2; }), "table batch");
+  {  // a null array of a segment table, named in the message
+    kvcache::attend_params p = valid_attend();
+    p.tables[0].indices = nullptr;
+    const kvcache::result<void> r = kvcache::cuda_attend(where, p);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_EQ(r.error().code, errc::invalid_argument);
+    EXPECT_NE(r.error().message.find("indices_null=1"), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find("indptr_null=0"), std::string::npos) << r.error().message;
+  }
+  expect_error(errc::invalid_argument, with([](auto& p) { p.tables[0].indptr = nullptr; }), "null indptr");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.tables[0].last_page_len = nullptr; }), "null last_page_len");
   expect_error(errc::invalid_argument, with([](auto& p) { p.max_splits[0] = 0; }), "max_splits");
   expect_error(errc::invalid_argument, with([](auto& p) { p.segments = 2; }), "second segment missing");
   // Q4 pages: one whole group per kv head, 4-byte aligned.
