@@ -220,8 +220,9 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // session 33 (16 KB before), measured on the Zen 5 VM at 32k tokens, 8 kv heads, 32 queries, 1
 // thread (process alternation, 4 rounds): paged f32 with 64-token blocks (now read all heads
 // together) 1.14-1.30x, f32 128-token blocks at head_dim 64 (head by head, the stream in place of
-// the next rows) 1.10-1.18x; f16 64-token blocks at head_dim 256 and f16 128-token blocks at 128
-// the same within noise (0.92-1.06x).
+// the next rows) 1.10-1.18x; f16 64-token blocks at head_dim 256 (now read all heads together)
+// and f16 128-token blocks at 128 (the stream in place of the next rows) the same within noise
+// (0.92-1.06x).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
@@ -646,9 +647,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 
 // Whether a task reads the view head by head: where its chunks are large (a contiguous cache;
 // paged blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
-// prefetch stream cannot take them (prefetchable: 64-token blocks of wide f32 heads), or where
-// a chunk's kv heads lie apart rather than side by side (the two-tier store, which keeps each
-// head's groups in one run). Small chunks with their heads side by side (paged blocks of 16 to 64
+// prefetch stream cannot take them (prefetchable: 64-token blocks of f32 heads wider than 128 or
+// f16 heads wider than 256), or where a chunk's kv heads lie apart rather than side by side (the
+// two-tier store, which keeps each head's groups in one run). Small chunks with their heads side by side (paged blocks of 16 to 64
 // tokens) are read all heads together, so that each chunk is one stream. 64-token blocks were read
 // head by head until session 33 (measured on Zen 4 then: 0.78 of contiguous all heads together,
 // 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8 kv heads x 128, 32 queries,
