@@ -645,16 +645,16 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   }
 }
 
-// Whether a task reads the view head by head: where its chunks are large (a contiguous cache;
-// paged blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
+// Whether a task reads the view head by head: where its chunks are large (a contiguous cache; paged
+// blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
 // prefetch stream cannot take them (prefetchable: 64-token blocks of f32 heads wider than 128 or
 // f16 heads wider than 256), or where a chunk's kv heads lie apart rather than side by side (the
-// two-tier store, which keeps each head's groups in one run). Small chunks with their heads side by side (paged blocks of 16 to 64
-// tokens) are read all heads together, so that each chunk is one stream. 64-token blocks were read
-// head by head until session 33 (measured on Zen 4 then: 0.78 of contiguous all heads together,
-// 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8 kv heads x 128, 32 queries,
-// process alternation), all heads together ran 1.20x faster with 1 thread (0.76 -> 0.92 of
-// contiguous) and 1.14x with 2.
+// two-tier store, which keeps each head's groups in one run). Small chunks with their heads side by
+// side (paged blocks of 16 to 64 tokens) are read all heads together, so that each chunk is one
+// stream. 64-token blocks were read head by head until session 33 (measured on Zen 4 then: 0.78 of
+// contiguous all heads together, 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8
+// kv heads x 128, 32 queries, process alternation), all heads together ran 1.20x faster with 1
+// thread (0.76 -> 0.92 of contiguous) and 1.14x with 2.
 bool head_by_head(const layer_view& view, std::uint32_t hd) {
   if (view.count <= 1 || view.tokens / view.count >= large_chunk_tokens) return true;
   const chunk& c = view.chunks[0];
