@@ -717,9 +717,6 @@ void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, 
 // ---- the online-softmax step over one tile of G (1, 2) groups: scores, weights and values of
 // four queries ----
 
-// The fused step prefetches for itself (mirror): no set-up rows, and attend_q4 hands it no region.
-unsigned setup_rows(unsigned) { return 0; }
-
 #include "avx512_float_ops.inl"
 using S = avx512_float_ops;
 

@@ -72,13 +72,12 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
 // once per 64 tokens, as on AVX-512. Measured on Zen 5 (AVX2, head_dim 128, 4 queries, cached
 // groups, BM_attend_step/q4/.../l2/g:2): AVX-VNNI 1.16-1.17x, vpmaddubsw 1.09x, against one group a
 // tile; streamed (/stream/g:2) 1.09x; one query 1.05-1.2x. Not timed on Arm hardware.
-// No set-up rows: these steps spread the ahead groups' lines (ahead_region, q4_int8.inl) over
-// their dot products alone. With AVX2 on Zen 5 (AVX-VNNI), 3 and 6 rows per pass of the scores'
+// These steps spread the ahead groups' lines (ahead_region, q4_int8.inl) over their dot products
+// alone, none over the set-up. With AVX2 on Zen 5 (AVX-VNNI), 3 and 6 rows per pass of the scores'
 // set-up, as the AVX-512 step then took, measured 0.97-0.98x (attend over a two-tier cache at 32k,
 // 1 thread, in-process alternation): this step is bound by its arithmetic (about half the AVX-512
 // step's speed), not by the stream; so the AVX-512 step's line-for-line prefetch
 // (kernels_avx512vnni.cpp) was not brought here. Not timed on Arm hardware.
-unsigned setup_rows(unsigned) { return 0; }
 
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,

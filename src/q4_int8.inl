@@ -98,11 +98,6 @@ inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8
   }
 }
 
-// Rows of the fused step's set-up (attend_nq) a group adds to its share of the prefetch region
-// (attend_q4_by_tiles), beside its channel quads and its value token quads: defined by the
-// including file, with its attend_nq, which takes that many rows in its set-up.
-unsigned setup_rows(unsigned head_dim);
-
 // The online-softmax step of NQ (1..4) queries over one tile of G (1, 2) Q4 groups with tokens
 // (table::attend_q4): defined by the including file where it has a fused step
 // (kernels_avx512vnni.cpp; q4_attend_step.inl for q4_int8_avx2.inl and kernels_neondot.cpp).
@@ -150,16 +145,16 @@ inline prefetch_region ahead_region(const q4_group_ref* groups, std::uint32_t co
 // The table entry (kernels::table::attend_q4) where the including file defines attend_nq: two
 // groups a tile (a last odd one alone), groups without tokens skipped. Where `spread` is set, the
 // groups' ahead lines (ahead_region) are spread over the channel quads of the first queries'
-// scores, the token quads of their value columns and the set-up rows of the includer's step
-// (setup_rows), over all the groups (all of it in the scores alone, three lines a quad, stalled
-// them); where it is not, the includer's step prefetches them itself (kernels_avx512vnni.cpp).
+// scores and the token quads of their value columns, over all the groups (all of it in the scores
+// alone, three lines a quad, stalled them; rows of the set-up too measured 0.97-0.98x on AVX2);
+// where it is not, the includer's step prefetches them itself (kernels_avx512vnni.cpp).
 inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
                                std::uint32_t head_dim, float* run_max, float* run_sum, float* acc, bool spread) {
   // Keys wider than int8_key_channels are scored by the float kernel, which takes no rows.
   const unsigned key_rows = head_dim <= int8_key_channels ? key_channels(head_dim) / 4 : 0;
   unsigned rows = 0;
   for (std::uint32_t j = 0; j < count; ++j)
-    if (groups[j].tokens > 0) rows += key_rows + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4) + setup_rows(head_dim);
+    if (groups[j].tokens > 0) rows += key_rows + value_blocks(head_dim) * ((groups[j].tokens + 3) / 4);
   if (rows == 0) return;
   line_prefetch rp(spread ? ahead_region(groups, count, head_dim) : prefetch_region{}, rows);
   q4_group_ref pair[2];
@@ -173,7 +168,6 @@ inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_
     }
   }
   if (n == 1) attend_tile<1>(q, nq, pair, head_dim, run_max, run_sum, acc, rp);
-  // Every row counted above was taken: the whole region went out (setup_rows is the includer's
-  // attend_nq's own count).
+  // Every row counted above was taken: the whole region went out.
   assert(rp.step == 0 || rp.at >= rp.end);
 }
