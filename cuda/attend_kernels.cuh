@@ -352,29 +352,80 @@ __global__ void __launch_bounds__(kThreads) attend_partial(attend_params p, std:
   write_block_state(bw, D, &sm.m[0][0], &sm.l[0][0], kMaxG, &sm.u.acc[0][0][0], cuda_max_head_dim);
 }
 
-// One block per (sequence, query head): combines every split's partial state.
-__global__ void attend_merge(attend_params p, std::uint32_t total_splits) {
-  const std::uint32_t b = blockIdx.x, qh = blockIdx.y, D = p.head_dim;
+// One block of kMergeThreads threads per (sequence, query head): combines every split's partial
+// state. The splits are read in parallel: their maxima and sums one split a thread, their weights
+// 2^(m - max) through shared memory kMergeThreads splits at a time, and each thread's output
+// channels summed over them with the loads independent of each other (the loop unrolled). Before
+// (session 34) every thread walked all the splits alone, three times, one load after the other:
+// at batch 1 (8 kv heads, 32k tokens, 32 splits) that merge was a serial chain of global loads.
+constexpr std::uint32_t kMergeThreads = 128;
+constexpr std::uint32_t kMergeOut = (cuda_max_head_dim + kMergeThreads - 1) / kMergeThreads;  // channels a thread
+
+/// The maximum (max) or the sum of x over the block's kMergeThreads threads, in every thread.
+template <bool Max>
+__device__ __forceinline__ float merge_block_reduce(float x, float (&scratch)[kMergeThreads / 32]) {
+  x = Max ? warp_max(x) : warp_sum(x);
+  const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (std::uint32_t w = 1; w < kMergeThreads / 32; ++w) r = Max ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();  // scratch is free again
+  return r;
+}
+
+__global__ void __launch_bounds__(kMergeThreads) attend_merge(attend_params p, std::uint32_t total_splits) {
+  __shared__ float weight[kMergeThreads];
+  __shared__ float scratch[kMergeThreads / 32];
+  const std::uint32_t b = blockIdx.x, qh = blockIdx.y, D = p.head_dim, tid = threadIdx.x;
   const partial_state_ref in{p.workspace + static_cast<std::size_t>(b) * p.q_heads * total_splits * (2 + D),
                              total_splits, D};
   float mx = -INFINITY;
-  for (std::uint32_t s = 0; s < total_splits; ++s) {
+  for (std::uint32_t s = tid; s < total_splits; s += kMergeThreads) {
     const float* st = in.at(qh, s);
-    if (st[1] > 0.0f) mx = fmaxf(mx, st[0]);
+    if (st[1] > 0.0f) mx = fmaxf(mx, st[0]);  // a split without tokens or weight has l = 0
   }
-  float sum = 0.0f;
-  for (std::uint32_t s = 0; s < total_splits; ++s) {
-    const float* st = in.at(qh, s);
-    if (st[1] > 0.0f) sum += st[1] * exp2f(st[0] - mx);
-  }
-  float* o = p.out + (static_cast<std::size_t>(b) * p.q_heads + qh) * D;
-  for (std::uint32_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.0f;
-    for (std::uint32_t s = 0; s < total_splits; ++s) {
+  mx = merge_block_reduce<true>(mx, scratch);
+  float sum = 0.0f, a[kMergeOut];
+#pragma unroll
+  for (std::uint32_t k = 0; k < kMergeOut; ++k) a[k] = 0.0f;
+  for (std::uint32_t s0 = 0; s0 < total_splits; s0 += kMergeThreads) {
+    const std::uint32_t s = s0 + tid;
+    float w = 0.0f;
+    if (s < total_splits) {
       const float* st = in.at(qh, s);
-      if (st[1] > 0.0f) a += st[2 + d] * exp2f(st[0] - mx);
+      if (st[1] > 0.0f) {
+        w = exp2f(st[0] - mx);
+        sum = fmaf(st[1], w, sum);
+      }
     }
-    o[d] = sum > 0.0f ? a / sum : 0.0f;
+    weight[tid] = w;
+    __syncthreads();
+    const std::uint32_t n = min(kMergeThreads, total_splits - s0);
+    const float* first = in.at(qh, s0) + 2;
+    const std::size_t step = 2 + static_cast<std::size_t>(D);
+#pragma unroll
+    for (std::uint32_t k = 0; k < kMergeOut; ++k) {
+      const std::uint32_t d = tid + k * kMergeThreads;
+      if (d < D) {
+        float x = 0.0f;
+#pragma unroll 8
+        for (std::uint32_t i = 0; i < n; ++i) {
+          const float wi = weight[i];
+          if (wi > 0.0f) x = fmaf(wi, first[i * step + d], x);  // unwritten outputs of empty splits: not read
+        }
+        a[k] += x;
+      }
+    }
+    __syncthreads();  // weight is rewritten by the next splits
+  }
+  sum = merge_block_reduce<false>(sum, scratch);
+  float* o = p.out + (static_cast<std::size_t>(b) * p.q_heads + qh) * D;
+#pragma unroll
+  for (std::uint32_t k = 0; k < kMergeOut; ++k) {
+    const std::uint32_t d = tid + k * kMergeThreads;
+    if (d < D) o[d] = sum > 0.0f ? a[k] / sum : 0.0f;
   }
 }
 
@@ -984,7 +1035,7 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
     KVCACHE_TRY(launch(fn, dim3(p.batch, grid_y, p.max_splits[s]), dim3(kThreads), p, s, base, total, scale));
     base += p.max_splits[s];
   }
-  return launch(attend_merge, dim3(p.batch, p.q_heads), dim3(128), p, total);
+  return launch(attend_merge, dim3(p.batch, p.q_heads), dim3(kMergeThreads), p, total);
 }
 
 }  // namespace

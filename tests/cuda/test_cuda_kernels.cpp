@@ -311,7 +311,8 @@ void run_attend(const attend_case& c) {
   }
   auto dq = upload(where, q);
   auto dout = upload(where, std::vector<float>(qn, NAN));
-  auto dws = zeros<float>(where, kvcache::cuda_attend_workspace_bytes(p) / sizeof(float));
+  // NaN: the outputs of empty splits, which the kernels leave unwritten, must never be read.
+  auto dws = upload(where, std::vector<float>(kvcache::cuda_attend_workspace_bytes(p) / sizeof(float), NAN));
   KVCACHE_ASSERT_OK(dq);
   KVCACHE_ASSERT_OK(dout);
   KVCACHE_ASSERT_OK(dws);
@@ -378,6 +379,8 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {32, 8, 128, format::q4, format::q4, 32, true, 256, {1, 31, 32, 33, 1000, 4099}},  // then an f16 tail
       {16, 2, 256, format::q4, format::q4, 32, false, 128, {700, 64}},  // gqa 8
       {3, 3, 64, format::q4, format::q4, 32, false, 96, {1, 95, 2000}},   // gqa 1
+      // attend_merge over more splits than its 128 threads (158: two rounds), some of them empty
+      {8, 2, 128, format::f16, format::f16, 16, false, 32, {5000, 100}},
       {12, 1, 128, format::q4, format::q4, 32, true, 64, {700}},          // gqa 12: groups of 8 and 4
       {6, 3, 128, format::q4, format::q4, 32, false, 32, {33, 64, 65}},   // gqa 2
   };
