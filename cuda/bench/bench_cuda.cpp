@@ -28,19 +28,33 @@
 #include <string>
 #include <vector>
 
+// l2_flush.cu: reads `bytes` at `buffer` (a kernel on the default stream).
+void bench_read_flush(const void* buffer, std::size_t bytes, unsigned* sink);
+
 namespace {
 
 using kvcache::format;
+
+// Where bench_read_flush may write (it never does: the flush buffers are zeroed).
+unsigned* flush_sink() {
+  static unsigned* sink = [] {
+    void* p = nullptr;
+    return cudaMalloc(&p, sizeof(unsigned)) == cudaSuccess ? static_cast<unsigned*>(p) : nullptr;
+  }();
+  return sink;
+}
 
 // Largest device-to-device copy bandwidth seen in this run (bytes/s, read + write).
 double g_d2d_bandwidth = 0.0;
 
 // A working set smaller than this may be served from L2 (50 MB on an H100, 60 MB on an H200)
-// when the same buffers are read over and over: such benchmarks write a flush buffer of this size
-// before each timed launch (outside the events), so that every launch reads device memory.
+// when the same buffers are read over and over: such benchmarks read a flush buffer of this size
+// before each timed launch (outside the events), so that every launch reads device memory. A
+// read (bench_read_flush, l2_flush.cu), not a memset: a memset leaves L2 full of dirty lines,
+// which the timed launch then writes back to HBM as its reads evict them.
 constexpr std::size_t kFlushBytes = std::size_t{256} << 20;
 
-// Times `launch` with CUDA events for every benchmark iteration; with `flush`, writes kFlushBytes
+// Times `launch` with CUDA events for every benchmark iteration; with `flush`, reads kFlushBytes
 // there before each launch, outside the timed events.
 template <class F>
 void time_with_events(benchmark::State& state, F&& launch, void* flush = nullptr) {
@@ -55,7 +69,7 @@ void time_with_events(benchmark::State& state, F&& launch, void* flush = nullptr
   }
   (void)cudaDeviceSynchronize();
   for (auto _ : state) {
-    if (flush != nullptr) (void)cudaMemsetAsync(flush, static_cast<int>(state.iterations() & 0xff), kFlushBytes, nullptr);
+    if (flush != nullptr) bench_read_flush(flush, kFlushBytes, flush_sink());
     (void)cudaEventRecord(start, nullptr);
     launch();
     (void)cudaEventRecord(stop, nullptr);

@@ -19,7 +19,9 @@ if not torch.cuda.is_available():
     sys.exit(0)
 
 dev = torch.device("cuda")
-flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # larger than L2: every launch reads HBM
+# Larger than L2: every launch reads HBM. Read before each launch (a reduction), not written: a
+# write leaves L2 full of dirty lines, which the timed launch would write back (as kvcache_cuda_bench).
+flush = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
 
 
 def timed(fn, reps=50, flush_l2=True):
@@ -28,7 +30,7 @@ def timed(fn, reps=50, flush_l2=True):
     times = []
     for i in range(reps):
         if flush_l2:
-            flush.fill_(i & 0xFF)
+            flush.max()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
