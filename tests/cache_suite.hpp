@@ -41,6 +41,8 @@
 /// - The suite only truncates away recent tokens (at most 7 of a long sequence) or whole short
 ///   sequences (< 32 tokens), so caches that compress old tokens (two-tier) can join.
 
+#include "test_seed.hpp"
+
 #include <kvcache/cache.hpp>
 #include <kvcache/format.hpp>
 #include <kvcache/geometry.hpp>
@@ -90,12 +92,8 @@ struct random_source {
   std::uint32_t seed;
   std::mt19937 gen;
   /// A fresh seed each run, or KVCACHE_TEST_SEED's (to replay a failure: the trace prints it).
-  random_source() : seed(initial_seed()), gen(seed) {}
-  std::string trace() const { return "random seed " + std::to_string(seed) + " (KVCACHE_TEST_SEED=" + std::to_string(seed) + ")"; }
-  static std::uint32_t initial_seed() {
-    if (const char* s = std::getenv("KVCACHE_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-    return std::random_device{}();
-  }
+  random_source() : seed(test_seed_or_fresh()), gen(seed) {}
+  std::string trace() const { return seed_trace(seed); }
 
   /// n values uniform in [-1, 1].
   std::vector<float> values(std::size_t n) {

@@ -1,6 +1,8 @@
 #pragma once
 // Shared helpers of the CUDA tests: the device check, device vectors, random inputs, and the CPU
 // references (scalar kernels, float64 attention).
+#include "../test_seed.hpp"
+
 #include <kvcache/cuda/kernels.hpp>
 #include <kvcache/cuda/runtime.hpp>
 #include <kvcache/format.hpp>
@@ -87,13 +89,9 @@ kvcache::result<std::vector<T>> download(const kvcache::cuda& where, const T* de
 /// Random source seeded freshly per test, or with KVCACHE_TEST_SEED's seed (every rng then takes
 /// it: to replay a failure, whose trace() prints the seed).
 struct rng {
-  std::uint32_t seed = initial_seed();
+  std::uint32_t seed = test_seed_or_fresh();
   std::mt19937 gen{seed};
-  std::string trace() const { return "random seed " + std::to_string(seed) + " (KVCACHE_TEST_SEED=" + std::to_string(seed) + ")"; }
-  static std::uint32_t initial_seed() {
-    if (const char* s = std::getenv("KVCACHE_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-    return std::random_device{}();
-  }
+  std::string trace() const { return seed_trace(seed); }
   float uniform(float lo = -1.0f, float hi = 1.0f) { return std::uniform_real_distribution<float>(lo, hi)(gen); }
   std::uint32_t between(std::uint32_t lo, std::uint32_t hi) {
     return std::uniform_int_distribution<std::uint32_t>(lo, hi)(gen);
