@@ -42,7 +42,8 @@ constexpr float log2e = 1.4426950408889634f;
 // old and new library in alternating processes): 1 query, whose tiles were 128 already, paged
 // 1.27x faster (the stream distance, below), contiguous the same; 2 queries (64-token tiles
 // before) 0.97-1.0x, where 64-token tiles measured 1.0-1.04x of 128 in-process: within noise,
-// not worth a tile per group.
+// not worth a tile per group. Since session 35 a task that reads all heads together (paged blocks)
+// takes shorter tiles at head_dim 128 and above: all_heads_tile.
 constexpr std::uint32_t max_tile = 128;
 
 // Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
@@ -223,16 +224,41 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // the next rows) 1.10-1.18x; f16 64-token blocks at head_dim 256 (now read all heads together)
 // and f16 128-token blocks at 128 (the stream in place of the next rows) the same within noise
 // (0.92-1.06x).
+// That was with 128-token tiles, which a task reading all heads together no longer uses: those
+// tasks' tiles are all_heads_tile long and their stream runs half a tile ahead (see there); 64
+// tokens stays the distance of tasks that read head by head (large paged blocks: one chunk ahead).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
+
+// Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
+// of 16 to 64 tokens, see head_by_head): tile x head_dim = 8192 elements, a multiple of 32 from 32 to
+// max_tile (128 tokens at head_dim 64, 64 at 128, 32 at 256), with the prefetch stream half a tile
+// ahead. Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
+// alternation of paged and contiguous steps (medians of 10 to 14 rounds, ratio paged / contiguous),
+// against 128-token tiles 64 tokens ahead (the setting of every head_dim before):
+//   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
+//     (48 ahead 0.888-0.914, 32-token tiles 0.917, the stream in the reads' own order 32 KB
+//     ahead 0.876-0.895); with 2 threads 0.946-0.950 against 0.905-0.917; with 64 queries
+//     0.911 against 0.876; 32- and 64-token blocks 0.965 and 0.936 against 0.902 and 0.903;
+//   the same at 4k tokens over 8 layers, each step the next layer's (128 MB: streamed from
+//     memory, as in an engine): 0.931-0.937 against 0.854-0.890;
+//   but at 4k tokens of 1 layer (16 MB, in L3 between steps): 0.856-0.877 against 0.902-0.913:
+//     short tiles cost more where the rows come from cache. Engines stream every layer from
+//     memory, so the memory case sets the tile;
+//   head_dim 256 (f16, 16k): 32-token tiles 16 ahead 0.850, 64 / 32 0.790, 128 / 64 0.748;
+//   head_dim 64 (f16, 32k): 128 / 64 0.870-0.887, 64 / 32 0.826-0.837;
+//   f32, head_dim 128 (16k): 0.868-0.884 and 0.799-0.884: the same within noise;
+//   AVX2 (f16, head_dim 128): 0.945 against 0.916 at 32k, 0.935 against 0.915 at 4k over 8 layers.
+std::uint32_t all_heads_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(8192 / hd / 32 * 32, 32, max_tile); }
 
 // Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
 bool prefetchable(const chunk& a, std::uint32_t hd) { return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit; }
 
-// The chunk to prefetch when chunk ci starts, or nullptr; none from chunk `end` on (where the
-// task's range ends: what follows is another task's).
-const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t end, std::uint32_t hd) {
-  const std::uint32_t d = std::max<std::uint32_t>(1, prefetch_tokens / std::max<std::uint32_t>(view.chunks[ci].tokens, 1));
+// The chunk to prefetch when chunk ci starts, `ahead` tokens on (at least the next chunk), or nullptr;
+// none from chunk `end` on (where the task's range ends: what follows is another task's).
+const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t end, std::uint32_t hd,
+                         std::uint32_t ahead) {
+  const std::uint32_t d = std::max<std::uint32_t>(1, ahead / std::max<std::uint32_t>(view.chunks[ci].tokens, 1));
   if (ci + d >= end) return nullptr;
   const chunk& a = view.chunks[ci + d];
   return prefetchable(a, hd) ? &a : nullptr;
@@ -516,9 +542,10 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
 // where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
 // next_head: the head the task reads next over the same tokens (its first rows are prefetched at
-// the end of this one's), or no_head.
+// the end of this one's), or no_head. limit: tokens per tile; ahead: tokens the prefetch stream
+// runs ahead of the reads (chunk_ahead).
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
-               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head) {
+               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
@@ -600,8 +627,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       if (ch.k_format == format::q4 && filled + ch.tokens > limit) break;
       const std::uint32_t n = std::min(limit - filled, ch_tokens - off);
       if (off == 0) {
-        const chunk* ahead = chunk_ahead(view, ci, end, hd);
-        if (ahead != nullptr) pf.queue(*ahead, ha, hb, hd);
+        const chunk* a = chunk_ahead(view, ci, end, hd, ahead);
+        if (a != nullptr) pf.queue(*a, ha, hb, hd);
       }
       if (!score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled, pf))
         for (std::uint32_t h = ha; h < hb; ++h) {
@@ -721,9 +748,10 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     const std::uint32_t limit = large_tile(view);
     for (std::uint32_t h = h0; h < h1; ++h)
       run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit,
-                h + 1 < h1 ? h + 1 : no_head);
+                h + 1 < h1 ? h + 1 : no_head, prefetch_tokens);
   } else {
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, max_tile, no_head);
+    const std::uint32_t tile = all_heads_tile(c.head_dim);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, tile / 2);
   }
 }
 
