@@ -1,9 +1,13 @@
-// BM_attend/<cache>/<format>/<isa>/ctx:<tokens>/t:<threads>: decode attention of one sequence
-// (1 layer, 8 KV heads x 128 head_dim, 32 query heads) over a real cache holding `tokens` tokens:
-// contiguous f16, paged f16 (16-token blocks; paged_b64, paged_b256: 64- and 256-token blocks, at
-// 32k tokens only) and two-tier Q4 (128-token f16 tail). Bytes
-// processed = the K+V bytes the view holds (what attend must read); items = tokens/s of decode
-// (one query token per step). t: attend's own thread count (attention_params::threads).
+// BM_attend/<cache>/<format>/<isa>/ctx:<tokens>/t:<threads>: one decode step of attention of one
+// sequence (one layer of 8 KV heads x 128 head_dim, 32 query heads) over a real cache holding
+// `tokens` tokens: contiguous f16, paged f16 (16-token blocks; paged_b64, paged_b256: 64- and
+// 256-token blocks, at 32k tokens only) and two-tier Q4 (128-token f16 tail). Bytes processed = the
+// K+V bytes the layer's view holds (what attend must read); items = tokens/s of decode (one query
+// token per step). t: attend's own thread count (attention_params::threads).
+// The cache holds as many layers as make its f16 K+V at least stream_bytes (8 at 4k tokens, 1 at
+// 32k), the same number for every cache of a context, and each step reads the next layer's view,
+// as an engine's decode step does: a layer's K+V then comes from memory, not from the L3 where a
+// single 4k layer (16 MB) stays between steps (until session 35 the 4k figures were of that case).
 #include "bench_common.hpp"
 
 #include <kvcache/attend.hpp>
@@ -23,7 +27,18 @@ namespace {
 using namespace kvcache;
 
 constexpr std::uint32_t kv_heads = 8, head_dim = 128, q_heads = 32;
-const geometry shape{1, kv_heads, head_dim};
+const geometry shape{1, kv_heads, head_dim};  // of one layer; the caches of BM_attend hold layers_for(tokens)
+
+// Bytes of f16 K+V a cache of BM_attend and BM_attend_paired holds at least: 4x the L3 of this
+// project's machines (32 MiB), so that no layer is still in cache when its turn comes again.
+constexpr std::size_t stream_bytes = std::size_t{128} << 20;
+
+// Layers of a cache of `tokens` tokens: enough for stream_bytes of f16 K+V.
+std::uint32_t layers_for(std::size_t tokens) {
+  const std::size_t layer = tokens * shape.token_width() * 2 * sizeof(std::uint16_t);
+  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer - 1) / layer));
+}
+geometry shape_of(std::uint32_t layers) { return {layers, kv_heads, head_dim}; }
 
 /// K+V bytes a view holds: what attention over it reads.
 std::size_t view_bytes(const layer_view& v) {
@@ -40,23 +55,27 @@ std::size_t view_bytes(const layer_view& v) {
   return b * kv_heads;
 }
 
-/// Appends `tokens` random tokens to sequence s, 1024 at a time.
+/// Appends `tokens` random tokens to sequence s in every layer of the cache, 1024 at a time.
 template <class C>
 bool fill(C& cache, seq_id s, std::size_t tokens) {
   constexpr std::size_t step = 1024;
   std::vector<float> k(step * shape.token_width()), v(k.size());
   for (std::size_t t = 0; t < tokens; t += step) {
     const std::size_t n = std::min(step, tokens - t);
-    bench::fill_normal(k.data(), n * shape.token_width(), 1.0f, 1 + t);
-    bench::fill_normal(v.data(), n * shape.token_width(), 1.0f, 2 + t);
     if (!cache.reserve(s, n)) return false;
-    const std::span<const float> ks(k.data(), n * shape.token_width()), vs(v.data(), n * shape.token_width());
-    if (!cache.write(s, 0, ks, vs) || !cache.commit(s)) return false;
+    for (std::uint32_t l = 0; l < cache.shape().layers; ++l) {
+      bench::fill_normal(k.data(), n * shape.token_width(), 1.0f, 1 + t + 7919 * l);
+      bench::fill_normal(v.data(), n * shape.token_width(), 1.0f, 2 + t + 7919 * l);
+      const std::span<const float> ks(k.data(), n * shape.token_width()), vs(v.data(), n * shape.token_width());
+      if (!cache.write(s, l, ks, vs)) return false;
+    }
+    if (!cache.commit(s)) return false;
   }
   return true;
 }
 
-/// A new sequence of `tokens` random tokens in cache, and its view; nullopt where that fails.
+/// A new sequence of `tokens` random tokens in cache, and its view of layer 0; nullopt where that
+/// fails.
 template <class C>
 std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
   const result<seq_id> s = cache.create();
@@ -64,10 +83,23 @@ std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
   return cache.view(*s, 0).value();
 }
 
+/// The same, with the views of every layer.
+template <class C>
+std::optional<std::vector<layer_view>> filled_views(C& cache, std::size_t tokens) {
+  const result<seq_id> s = cache.create();
+  if (!s || !fill(cache, *s, tokens)) return std::nullopt;
+  std::vector<layer_view> views;
+  for (std::uint32_t l = 0; l < cache.shape().layers; ++l) views.push_back(cache.view(*s, l).value());
+  return views;
+}
+
 // Decode steps of attend over `views` (one query row each, threads workers) for as long as the
-// state runs; false where the workspace or a step failed (the state then carries the error).
-bool decode_steps(benchmark::State& state, std::span<const layer_view> views, unsigned threads) {
-  std::vector<float> q(views.size() * q_heads * head_dim), out(q.size());
+// state runs, step i over the views of layer i % layers (views: [layer][sequence]); false where
+// the workspace or a step failed (the state then carries the error).
+bool decode_steps(benchmark::State& state, std::span<const layer_view> views, unsigned threads,
+                  std::size_t layers = 1) {
+  const std::size_t seqs = views.size() / layers;
+  std::vector<float> q(seqs * q_heads * head_dim), out(q.size());
   bench::fill_normal(q.data(), q.size(), 1.0f, 7);
   attention_workspace ws;
   attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
@@ -75,8 +107,10 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
     state.SkipWithError("workspace");
     return false;
   }
+  std::size_t layer = 0;
   for (auto _ : state) {
-    const result<void> r = attend(p, views, q, out, ws);
+    const result<void> r = attend(p, views.subspan(layer * seqs, seqs), q, out, ws);
+    layer = layer + 1 == layers ? 0 : layer + 1;
     if (!r) {
       state.SkipWithError(r.error().message.c_str());
       return false;
@@ -91,50 +125,51 @@ template <class C>
 void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
-  const std::optional<layer_view> filled = filled_view(cache, tokens);
-  if (!filled) return state.SkipWithError("cache fill failed");
-  const layer_view& view = *filled;
-  if (!decode_steps(state, std::span(&view, 1), threads)) return;
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(view)));
+  const std::optional<std::vector<layer_view>> views = filled_views(cache, tokens);
+  if (!views) return state.SkipWithError("cache fill failed");
+  if (!decode_steps(state, *views, threads, views->size())) return;
+  // Every layer's view holds the same bytes.
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(views->front())));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["context"] = static_cast<double>(tokens);
+  state.counters["layers"] = static_cast<double>(views->size());
 }
 
-// The caches of the table, empty, sized for `tokens` tokens of one sequence.
-result<contiguous_cache<>> make_contiguous(std::size_t tokens) {
-  return contiguous_cache<>::create({shape, format::f16, 1, tokens});
+// The caches of the table, empty, sized for `tokens` tokens of one sequence in `layers` layers.
+result<contiguous_cache<>> make_contiguous(std::size_t tokens, std::uint32_t layers = 1) {
+  return contiguous_cache<>::create({shape_of(layers), format::f16, 1, tokens});
 }
-result<paged_cache<>> make_paged(std::size_t tokens, std::uint32_t block) {
+result<paged_cache<>> make_paged(std::size_t tokens, std::uint32_t block, std::uint32_t layers = 1) {
   paged_config<> pc;
-  pc.shape = shape;
+  pc.shape = shape_of(layers);
   pc.storage = format::f16;
   pc.block_tokens = block;
-  pc.budget_bytes = (tokens + block) * shape.token_width() * 2 * 2;
+  pc.budget_bytes = (tokens + block) * shape.token_width() * 2 * 2 * layers;
   pc.expected_tokens = tokens;
   return paged_cache<>::create(pc);
 }
-result<two_tier_cache<>> make_two_tier() {
+result<two_tier_cache<>> make_two_tier(std::uint32_t layers = 1) {
   two_tier_config tc;
-  tc.shape = shape;
+  tc.shape = shape_of(layers);
   return two_tier_cache<>::create(tc);
 }
 
 void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_contiguous(tokens);
+  auto c = make_contiguous(tokens, layers_for(tokens));
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
 
 template <std::uint32_t Block>
 void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_paged(tokens, Block);
+  auto c = make_paged(tokens, Block, layers_for(tokens));
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
 
 void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_two_tier();
+  auto c = make_two_tier(layers_for(tokens));
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
@@ -144,18 +179,19 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
 // each in rotating order, each step timed on its own. The counters are the caches' tokens/s and
 // the ratios paged/contiguous and two-tier/f16 of their summed times: on a shared machine whose
 // speed drifts within seconds, steps taken next to each other compare fairer than separate
-// benchmarks' best repetitions (scripts/perf_report.sh prints both). At 32k only: there every
-// cache streams from memory alone or paired, where at 4k the three together (38 MB) no longer
-// fit the L3 that each one alone runs from.
+// benchmarks' best repetitions (scripts/perf_report.sh prints both). Each cache holds the layers
+// of BM_attend (layers_for) and each round reads the next layer of all three, so that each
+// streams from memory as it does alone.
 void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
-  auto cc = make_contiguous(tokens);
-  auto pg = make_paged(tokens, 16);
-  auto tt = make_two_tier();
+  const std::uint32_t layers = layers_for(tokens);
+  auto cc = make_contiguous(tokens, layers);
+  auto pg = make_paged(tokens, 16, layers);
+  auto tt = make_two_tier(layers);
   if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
-  const std::optional<layer_view> views[3] = {filled_view(*cc, tokens), filled_view(*pg, tokens),
-                                               filled_view(*tt, tokens)};
+  const std::optional<std::vector<layer_view>> views[3] = {filled_views(*cc, tokens), filled_views(*pg, tokens),
+                                                            filled_views(*tt, tokens)};
   for (const auto& v : views)
     if (!v) return state.SkipWithError("cache fill failed");
   std::vector<float> q(q_heads * head_dim), out(q.size());
@@ -170,7 +206,7 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
     for (std::size_t j = 0; j < 3 && !failed; ++j) {
       const std::size_t c = (round + j) % 3;
       const auto t0 = std::chrono::steady_clock::now();
-      const result<void> r = attend(p, std::span(&*views[c], 1), q, out, ws);
+      const result<void> r = attend(p, std::span(&(*views[c])[round % layers], 1), q, out, ws);
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
       seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -275,7 +311,7 @@ const bool registered = [] {
             bf(st, i, lengths, threads);
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
         }
-    for (std::size_t tokens : {std::size_t{32768}})
+    for (std::size_t tokens : {std::size_t{4096}, std::size_t{32768}})
       for (unsigned threads : {1u, 2u}) {
         const std::string name = "BM_attend_paired/" + std::string(to_string(i)) + "/ctx:" + std::to_string(tokens) +
                                  "/t:" + std::to_string(threads);

@@ -2,11 +2,13 @@
 # Decode-attention performance report (DESIGN.md section 3): runs kvcache_bench once, filtered to
 # the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16,
 # paged f16 (16-token blocks; 64-token ones at 32k too, for comparison) and two-tier Q4 at 4k
-# and 32k tokens (8 KV heads x 128, 32 query heads, 1 layer): tokens/s, K+V bytes read per
-# second, the ratio to the streaming-read bandwidth (BM_read) of the same run with the same
-# thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
+# and 32k tokens (8 KV heads x 128, 32 query heads): tokens/s of one layer's decode step, K+V
+# bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the same run with
+# the same thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
 # measured paired (BM_attend_paired: one step of each cache in turn, which a machine whose speed
-# drifts disturbs less than separate benchmarks).
+# drifts disturbs less than separate benchmarks). Each cache holds enough layers for 128 MiB of f16
+# K+V (8 at 4k, 1 at 32k) and each step reads the next layer, so that every figure is of K+V read
+# from memory, as in an engine's decode loop (bench_attend.cpp, layers_for).
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
@@ -69,7 +71,7 @@ for b in data["benchmarks"]:
     if m:
         key = (m.group(1) + " " + m.group(2), int(m.group(4)), int(m.group(5)))
         if key not in rows or rows[key][0] < b["tokens_per_s"]:
-            rows[key] = (b["tokens_per_s"], b["bytes_per_second"])
+            rows[key] = (b["tokens_per_s"], b["bytes_per_second"], int(b.get("layers", 1)))
 
 ctx = data.get("context", {})
 # The CPU, by model name and family/model numbers: a VM's name alone ("AMD EPYC") hides which
@@ -97,10 +99,10 @@ if 1 in read and 2 in read and read[1] < 0.25 * read[2]:
     print("warning: BM_read with 1 thread is below a quarter of 2 threads' bandwidth: the baseline looks "
           "disturbed, so are the ratios to it; run the report again")
 print()
-print(f"{'cache':<16} {'context':>8} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9}")
-for (cache, n, t), (tps, bps) in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+print(f"{'cache':<16} {'context':>8} {'layers':>6} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9}")
+for (cache, n, t), (tps, bps, layers) in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
     ratio = bps / read[t] if t in read else float("nan")
-    print(f"{cache:<16} {n:>8} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f}")
+    print(f"{cache:<16} {n:>8} {layers:>6} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f}")
 print()
 print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>17} {'two-tier/f16':>13} {'paged_b64/contiguous':>21}")
 for n in sorted({k[1] for k in rows}):
