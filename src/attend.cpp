@@ -238,7 +238,10 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 // against 128-token tiles 64 tokens ahead (the setting of every head_dim before):
 //   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
 //     (48 ahead 0.888-0.914, 32-token tiles 0.917, the stream in the reads' own order 32 KB
-//     ahead 0.876-0.895); with 2 threads 0.946-0.950 against 0.905-0.917; with 64 queries
+//     ahead 0.876-0.895); with 2 threads 0.946-0.950 against 0.905-0.917 where the VM gave
+//     contiguous about 350 tokens/s, but 0.645-0.722 against 0.689-0.726 where it gave 510-560
+//     (70-75 GB/s, a mode it switches to and from), in which no setting tried brought paged near
+//     contiguous (the stream in the reads' own order 96 KB ahead 0.715-0.755); with 64 queries
 //     0.911 against 0.876; 32- and 64-token blocks 0.965 and 0.936 against 0.902 and 0.903;
 //   the same at 4k tokens over 8 layers, each step the next layer's (128 MB: streamed from
 //     memory, as in an engine): 0.931-0.937 against 0.854-0.890;
