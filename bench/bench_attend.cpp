@@ -74,16 +74,8 @@ bool fill(C& cache, seq_id s, std::size_t tokens) {
   return true;
 }
 
-/// A new sequence of `tokens` random tokens in cache, and its view of layer 0; nullopt where that
-/// fails.
-template <class C>
-std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
-  const result<seq_id> s = cache.create();
-  if (!s || !fill(cache, *s, tokens)) return std::nullopt;
-  return cache.view(*s, 0).value();
-}
-
-/// The same, with the views of every layer.
+/// A new sequence of `tokens` random tokens in cache, and its views of every layer; nullopt where
+/// that fails.
 template <class C>
 std::optional<std::vector<layer_view>> filled_views(C& cache, std::size_t tokens) {
   const result<seq_id> s = cache.create();
@@ -91,6 +83,14 @@ std::optional<std::vector<layer_view>> filled_views(C& cache, std::size_t tokens
   std::vector<layer_view> views;
   for (std::uint32_t l = 0; l < cache.shape().layers; ++l) views.push_back(cache.view(*s, l).value());
   return views;
+}
+
+/// The same, its view of layer 0.
+template <class C>
+std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
+  const std::optional<std::vector<layer_view>> views = filled_views(cache, tokens);
+  if (!views) return std::nullopt;
+  return views->front();
 }
 
 // Decode steps of attend over `views` (one query row each, threads workers) for as long as the
