@@ -270,6 +270,9 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
 // Whether chunk c is a Q4 group with Q4 values, with tokens.
 bool is_q4_group(const chunk& c) { return c.k_format == format::q4 && c.v_format == format::q4 && c.tokens > 0; }
 
+// Whole Q4 groups handed to one call of table::attend_q4 (run_heads).
+constexpr std::uint32_t q4_run = 16;
+
 // Lines of `bytes` bytes.
 constexpr std::size_t lines_of(std::size_t bytes) { return (bytes + 63) / 64; }
 
@@ -580,41 +583,49 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       const std::uint32_t ch_tokens = range.tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
       if (off >= ch_tokens) continue;                  // empty (or an empty part)
       if (filled == 0 && c.kt->attend_q4 != nullptr && is_q4_group(ch)) {
-        // A whole Q4 group, keys and values, and the next one where it is a whole Q4 group too, in
-        // one call per head (validated: off == 0): scores, softmax step and values of all the
-        // head's queries over both groups as one tile. The step prefetches the next call's groups
-        // as it reads its own, line for line (q4_group_ref::ahead_k, ahead_v; why, and what it
-        // measured: kernels_avx512vnni.cpp). Two groups further ran at 0.98x. Session 31 tried
-        // four groups a call (two tiles): 1.017x in attend with 1 thread, and in
-        // BM_attend_paired 1.024x with 1 thread but 0.93x with 2 (medians of 8 process
-        // alternations); it was not kept. (This VM's hardware prefetchers do not follow the
-        // step's reads: without software prefetch, attend ran at 0.32x.)
-        kernels::q4_group_ref gr[2];
-        const bool pair = ci + 1 < end && is_q4_group(view.chunks[ci + 1]) &&
-                          range.tokens_of(ci + 1) == view.chunks[ci + 1].tokens;
-        const std::uint32_t n = pair ? 2 : 1;
-        // Each call prefetches what the next one reads (q4_group_ref::ahead_k, ahead_v): the same
-        // groups' next head, after the last head the next tile's groups, after the range's last
-        // tile the next head's first one (which starts with a whole group where the range does).
-        const chunk* next[2] = {nullptr, nullptr};
-        std::uint32_t next_first[2] = {ha, ha};  // the head of next[j] read first
-        for (std::uint32_t j = 0; j < n; ++j) {
-          const std::uint32_t ai = ci + n + j;
-          const chunk* a = nullptr;
-          if (ai < end) {
-            a = &view.chunks[ai];
-          } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
-            a = &view.chunks[b.ci + (ai - end)];
-            next_first[j] = next_head;
-          }
-          if (a != nullptr && is_q4_group(*a) && prefetchable(*a, hd)) next[j] = a;
-        }
+        // A run of up to q4_run whole Q4 groups, keys and values, in one call per head (validated:
+        // off == 0); the kernel takes them two at a time as one tile (a last odd one alone):
+        // scores, softmax step and values of all the head's queries over both groups. The step
+        // prefetches the group read two groups later as it reads its own, line for line
+        // (q4_group_ref::ahead_k, ahead_v; why, and what it measured: kernels_avx512vnni.cpp).
+        // Two groups further ran at 0.98x. Runs of 16 groups a call against one tile a call
+        // (session 36, Zen 5, process alternation, 32k tokens): 1.02-1.04x with 1 thread, 1.05-1.09x
+        // with 2, 1.02x on AVX2 (the per-call overhead of run_heads and the table entry; runs of 8
+        // measured 1.0-1.03x, of 4 about 0.99x of 8). Session 31 had measured four groups a call
+        // at 1.017x with 1 thread but 0.93x with 2 (BM_attend_paired). (This VM's hardware
+        // prefetchers do not follow the step's reads: without software prefetch, attend ran at
+        // 0.32x.)
+        kernels::q4_group_ref gr[q4_run];
+        std::uint32_t n = 1;
+        while (n < q4_run && ci + n < end && is_q4_group(view.chunks[ci + n]) &&
+               range.tokens_of(ci + n) == view.chunks[ci + n].tokens)
+          ++n;
+        // Each group prefetches the one read two groups later (q4_group_ref::ahead_k, ahead_v): in
+        // the run, the group two further on; past its end, the same head's next run (after the
+        // last head; before it, the next head's first groups), and after the range's last run
+        // the next head's first groups (where the range starts with a whole group).
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
           for (std::uint32_t j = 0; j < n; ++j) {
             const chunk& cj = view.chunks[ci + j];
-            const chunk* aj = h + 1 < hb ? &cj : next[j];
-            const std::uint32_t ah = h + 1 < hb ? h + 1 : next_first[j];
+            const chunk* aj = nullptr;
+            std::uint32_t ah = h;
+            if (j + 2 < n) {
+              aj = &view.chunks[ci + j + 2];
+            } else if (h + 1 < hb) {  // the next head's first groups of this run
+              aj = &view.chunks[ci + std::min(j + 2 - n, n - 1)];
+              ah = h + 1;
+            } else {  // the next run's first groups (head ha), or the next head's
+              const std::uint32_t ai = ci + n + std::min(j + 2 - n, n - 1);
+              ah = ha;
+              if (ai < end) {
+                aj = &view.chunks[ai];
+              } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
+                aj = &view.chunks[b.ci + (ai - end)];
+                ah = next_head;
+              }
+            }
+            if (aj != nullptr && !(is_q4_group(*aj) && prefetchable(*aj, hd))) aj = nullptr;
             gr[j] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)), reinterpret_cast<const std::uint8_t*>(cj.v_head(h)),
                      cj.tokens, aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->k_head(ah)),
                      aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->v_head(ah))};
