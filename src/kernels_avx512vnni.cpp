@@ -282,7 +282,9 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
   const bool cached = hd <= cached_channels;
   // Unrolled (session 36, Zen 5, process alternation): attend over a two-tier cache at 32k, 1
   // thread, 0.99-1.04x (head_dim 128), the step on cached groups 1.02-1.03x. Pass 2's loop
-  // unrolled too ran 0.96x (spills).
+  // unrolled too ran 0.96x (spills). The unroll applies to the general step (HD = 0) as well:
+  // head_dim 256 measured within noise; the loop unrolled for a known HD only (a lambda per
+  // chunk) lost the gain at 128.
 #pragma GCC unroll 8
   for (unsigned c = 0; c < hd; c += 16) {
     const unsigned n = hd - c < 16 ? hd - c : 16;

@@ -44,9 +44,9 @@ struct prefetch_region {
 
 /// One Q4 group of table::attend_q4: key group k and value group v (format.hpp) of `tokens`
 /// (0..32) tokens, and the key and value groups (ahead_k, ahead_v, of the same head_dim; null:
-/// none) whose lines the step prefetches while it reads this group's: typically the group the
-/// caller hands over one call later in the same place. Only a hint, as prefetch_region is: never
-/// read otherwise, and results do not depend on it.
+/// none) whose lines the step prefetches while it reads this group's: typically the group read
+/// one tile (two groups) later, in the same call or the next. Only a hint, as prefetch_region is:
+/// never read otherwise, and results do not depend on it.
 struct q4_group_ref {
   const std::uint8_t* k = nullptr;
   const std::uint8_t* v = nullptr;
