@@ -155,9 +155,12 @@ inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_
   // Keys wider than int8_key_channels are scored by the float kernel, which takes no rows.
   const unsigned key_rows = head_dim <= int8_key_channels ? key_channels(head_dim) / 4 : 0;
   auto tile = [&](const q4_group_ref* tg, unsigned n) {
-    unsigned rows = 0;
-    for (unsigned j = 0; j < n; ++j) rows += key_rows + value_blocks(head_dim) * ((tg[j].tokens + 3) / 4);
-    line_prefetch rp(spread ? ahead_region(tg, n, head_dim) : prefetch_region{}, rows);
+    line_prefetch rp;  // none where the step prefetches itself
+    if (spread) {
+      unsigned rows = 0;
+      for (unsigned j = 0; j < n; ++j) rows += key_rows + value_blocks(head_dim) * ((tg[j].tokens + 3) / 4);
+      rp = line_prefetch(ahead_region(tg, n, head_dim), rows);
+    }
     if (n == 2) attend_tile<2>(q, nq, tg, head_dim, run_max, run_sum, acc, rp);
     else attend_tile<1>(q, nq, tg, head_dim, run_max, run_sum, acc, rp);
     // Every row counted above was taken: the whole region went out.
