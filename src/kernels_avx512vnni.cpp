@@ -59,8 +59,10 @@
 // (1.02x cached, 0.99x streamed, medians of 10 alternations). Groups in L1 or L2 run alike;
 // streamed from memory (8 heads x 1024 groups, one head after the other, with the prefetch stream)
 // the step ran at 0.86-0.90 of its speed on groups in L2, 0.92-0.97 of its speed on groups in L3.
-// This file built by Clang 14 runs the step 1.07-1.10x faster (the dot-product phases; the set-up
-// alone the same); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
+// This file built by Clang 14 ran the step 1.07-1.10x faster then (the dot-product phases; the
+// set-up alone the same; since, GCC's build has gained more: in single runs of session 37,
+// Clang's ran the step on cached groups at 0.91x of GCC's and attend over a two-tier cache at 32k
+// at 0.87x); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
 // -fsched-pressure, -fno-schedule-insns2, -fno-tree-slp-vectorize, -funroll-loops, IRA options).
 // What GCC 12 does differently (session 31): in value_columns_of<4, 2, 2, true> the loop over the
 // second group's token quads copies 12 of its 16 accumulators between registers every pass and keeps
@@ -96,6 +98,17 @@
 // 32k with 1 thread 1.11x (614 -> 679 tokens/s), at 4k 1.06x; BM_attend_paired two-tier / f16
 // 1.12x with 1 thread, 0.99x with 2; BM_attend_step's stream against l2 from 0.82 to 0.92 of its
 // speed. The next call's next groups (two tiles ahead) instead: 0.98x.
+// Session 37 (process alternation, 6 rounds, attend over a two-tier cache at 32k and 4k tokens, 1
+// thread): every one of these prefetches is needed, and none earlier or twice. Without the key
+// codes' 0.41x, without the value codes' 0.55x, without the value scales' 0.74x; the value codes
+// into L2 (_MM_HINT_T1) 0.76x; the ahead groups' value codes from the first pass instead (four
+// lines a chunk) 0.77x, one line a chunk of them there and the rest as now 0.97x; beside every
+// prefetch a second one into L2 of the group two tiles ahead 0.91x. At 32k the step reads the store
+// at about 29 GB/s, 0.8 of BM_read with 1 thread, and on cached groups (BM_attend_step, l2: 211 M
+// tokens/s, 304 ns a tile) it runs only 1.17x as fast as in attend (684 tokens/s x 8 heads x 32k):
+// the step's compute and the stream of its bytes take about as long as each other. Tiles of four
+// groups (the keys scored as two pairs, one softmax step and one weight grid over the four, each
+// group prefetching the one four later) measured 0.96x.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
