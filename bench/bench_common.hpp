@@ -68,7 +68,7 @@ class buffer {
 /// generator's raw bits. Not std::normal_distribution: its uniforms come from
 /// std::generate_canonical, which in libstdc++ 12 computes log2 of the generator's range in long
 /// double on every call; GCC folds that constant, Clang 14 does not, and the benchmarks' set-up
-/// (filling caches of up to 128 MiB) ran six times slower built by Clang (two logl a value).
+/// (filling caches of up to 128 MiB) ran six times slower built by Clang (two logl a uniform).
 class normal_source {
  public:
   explicit normal_source(std::uint64_t seed, float sd = 1.0f) : rng_(seed), sd_(sd) {}
