@@ -99,16 +99,16 @@
 // 1.12x with 1 thread, 0.99x with 2; BM_attend_step's stream against l2 from 0.82 to 0.92 of its
 // speed. The next call's next groups (two tiles ahead) instead: 0.98x.
 // Session 37 (process alternation, 6 rounds, attend over a two-tier cache at 32k and 4k tokens, 1
-// thread): every one of these prefetches is needed, and none earlier or twice. Without the key
-// codes' 0.41x, without the value codes' 0.55x, without the value scales' 0.74x; the value codes
-// into L2 (_MM_HINT_T1) 0.76x; the ahead groups' value codes from the first pass instead (four
-// lines a chunk) 0.77x, one line a chunk of them there and the rest as now 0.97x; beside every
-// prefetch a second one into L2 of the group two tiles ahead 0.91x. At 32k the step reads the store
-// at about 29 GB/s, 0.8 of BM_read with 1 thread, and on cached groups (BM_attend_step, l2: 211 M
-// tokens/s, 304 ns a tile) it runs only 1.17x as fast as in attend (684 tokens/s x 8 heads x 32k):
-// the step's compute and the stream of its bytes take about as long as each other. Tiles of four
-// groups (the keys scored as two pairs, one softmax step and one weight grid over the four, each
-// group prefetching the one four later) measured 0.96x.
+// thread; figures at 32k): every one of these prefetches is needed, and none earlier or twice.
+// Without the value codes' 0.55x, without those and the key codes' 0.41x, without the value scales'
+// 0.74x; the value codes into L2 (_MM_HINT_T1) 0.76x; the ahead groups' value codes from the first
+// pass instead (four lines a chunk) 0.77x, one line a chunk of them there and the rest as now
+// 0.97x; beside every prefetch a second one into L2 of the group two tiles ahead 0.91x. At 32k the
+// step reads the store at about 29 GB/s, 0.8 of BM_read with 1 thread, and on cached groups
+// (BM_attend_step, l2: 211 M tokens/s, 304 ns a tile) it runs only 1.17x as fast as in attend (684
+// tokens/s x 8 heads x 32k): the step's compute and the stream of its bytes take about as long as
+// each other. Tiles of four groups (the keys scored as two pairs, one softmax step and one weight
+// grid over the four, each group prefetching the one four later) measured 0.96x.
 #include "kernels_internal.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
