@@ -1,5 +1,5 @@
 // kvcache_cuda_bench: bandwidth of the CUDA kernels as a fraction of the device-to-device copy
-// bandwidth measured in the same run (EXPERIMENTAL: written and compiled without a GPU; never run).
+// bandwidth measured in the same run (run by scripts/gpu/check.sh; figures in cuda/README.md).
 //
 //   BM_cuda_memcpy_d2d/<MiB>              cudaMemcpyAsync device to device; bytes = read + write
 //   BM_cuda_append/<cache>/<src>/<store>  one append launch of a decode step (one new token for each
@@ -10,8 +10,8 @@
 // `of_d2d` is the benchmark's bytes/s divided by the largest BM_cuda_memcpy_d2d bandwidth, which
 // is measured first. DESIGN.md's target: attention >= 0.85 of the copy bandwidth on H100/H200.
 //
-// Not here: a comparison with torch.nn.functional.scaled_dot_product_attention (or FlashInfer).
-// The GPU machines are not guaranteed to have Python/torch; see cuda/README.md for the recipe.
+// Not here: the comparison with torch.nn.functional.scaled_dot_product_attention, which
+// scripts/gpu/sdpa_baseline.py measures on the same shapes where python3 has torch.
 #include <kvcache/cuda/kernels.hpp>
 #include <kvcache/cuda/runtime.hpp>
 #include <kvcache/format.hpp>

@@ -1,6 +1,6 @@
 #pragma once
 /// @file cuda/block_pool.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md).
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
 /// block_pool<cuda>: the block pool of paged_cache<cuda>. Same layout, configuration, errors and
 /// bookkeeping as block_pool<cpu> (the very same detail::block_ledger: refcounts, LRU of cached
 /// blocks, prefix-hash index and token ids live on the host), with the K/V storage in one

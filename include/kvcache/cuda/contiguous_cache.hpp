@@ -1,6 +1,6 @@
 #pragma once
 /// @file cuda/contiguous_cache.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md).
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
 /// contiguous_cache<cuda>: the contiguous cache with its K/V in device memory. Same protocol and
 /// errors as contiguous_cache<cpu> (create / reserve / write / commit / length / truncate / release
 /// / view / stats), so an engine switches placement with the template argument; plus the batch

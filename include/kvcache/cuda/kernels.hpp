@@ -1,8 +1,8 @@
 #pragma once
 /// @file cuda/kernels.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md). The CUDA kernels behind
-/// contiguous_cache<cuda>, paged_cache<cuda> and two_tier_cache<cuda>, callable directly by an
-/// engine that keeps its own tables. Each launcher validates its parameters on the host (typed
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
+/// The CUDA kernels behind contiguous_cache<cuda>, paged_cache<cuda> and two_tier_cache<cuda>,
+/// callable directly by an engine that keeps its own tables. Each launcher validates its parameters on the host (typed
 /// error, nothing enqueued), then enqueues one or two kernels on `where.stream` and returns without
 /// waiting. Kernels never fail; asynchronous faults surface at the next cuda_synchronize().
 ///

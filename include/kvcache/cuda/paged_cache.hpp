@@ -1,6 +1,6 @@
 #pragma once
 /// @file cuda/paged_cache.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md).
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
 /// paged_cache<cuda>: the paged cache with its blocks in device memory (block_pool<cuda>). The
 /// same protocol, semantics and errors as paged_cache<cpu> — block tables, ref-counted forks with
 /// copy-on-write of a shared partial block (a device-to-device copy per layer), chained-hash

@@ -1,8 +1,8 @@
 #pragma once
 /// @file cuda/runtime.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md). The CUDA placement
-/// runtime of kvcache::cuda: device availability, cudaMalloc-backed device memory (never managed
-/// memory), stream-ordered copies. Every CUDA runtime error becomes errc::device_error carrying the
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
+/// The CUDA placement runtime of kvcache::cuda: device availability, cudaMalloc-backed device
+/// memory (never managed memory), stream-ordered copies. Every CUDA runtime error becomes errc::device_error carrying the
 /// CUDA error name and string. This header includes no CUDA header: streams are `CUstream_st*`
 /// (kvcache/placement.hpp), device memory is `void*`.
 

@@ -1,6 +1,6 @@
 #pragma once
 /// @file cuda/two_tier_cache.hpp
-/// EXPERIMENTAL (compiled, never run on a GPU yet; see cuda/README.md).
+/// Tested on an H100 and an H200 against the CPU caches and float64 references (cuda/README.md).
 /// two_tier_cache<cuda>: recent tokens in an FP16 tail, older ones in 32-token store groups (Q4 or
 /// FP16, keys per channel over 32 tokens, values per token over 32 channels; a Q4 group of a kv
 /// head is the packed key or value group of format.hpp, as on the cpu), in device memory.
