@@ -86,27 +86,11 @@ block_pool_stats block_pool<cuda>::stats() const {
 
 // ---- paged_cache<cuda> -----------------------------------------------------------------------
 
-struct paged_cache<cuda>::impl {
-  struct sequence {
-    std::vector<std::uint32_t> blocks;  // [block index] pool block id, committed then reserved
-    std::vector<chunk> chunks;          // [layer][chunk_cap] one chunk per block (device pointers)
-    std::vector<std::uint8_t> written;  // [layer]
-    std::size_t chunk_cap = 0;
-    std::size_t length = 0;
-    std::size_t pending = 0;
-    std::size_t known = 0;   // leading tokens whose ids are known
-    std::size_t hashed = 0;  // leading blocks indexed in the pool
-    std::uint32_t written_count = 0;
-    bool reserved = false;
-    bool pending_ids = false;
-  };
-
-  std::shared_ptr<pool_type> pool;
+// The bookkeeping is paged_cache<cpu>'s (detail::paged_book); impl adds the device side.
+// `epoch` counts the changes to block tables: a prepared batch is fresh while it is unchanged.
+struct paged_cache<cuda>::impl : detail::paged_book<block_pool<cuda>> {
   paged_config<cuda> cfg;
   cuda where;
-  detail::id_table ids;
-  std::vector<sequence> seqs;  // [slot]
-  std::size_t tokens = 0, reserved_tokens = 0, query_tokens = 0, hit_tokens = 0;
 
   device_buffer staging;  // host writes: K then V rows
   // Device table of the prepared batch: indptr [bcap + 1], last [bcap], src [bcap + 1], indices [ecap].
@@ -119,10 +103,9 @@ struct paged_cache<cuda>::impl {
   std::uint64_t stamp = 0, epoch = 0, prepared_epoch = ~0ull;
   std::uint32_t prepared_rows = 0;
   std::size_t prepared_longest = 0;
-  std::vector<std::int32_t> csr_indptr, csr_indices, csr_last;  // host CSR export buffers
 
   impl(const paged_config<cuda>& c, std::shared_ptr<pool_type> p, const cuda& w)
-      : pool(std::move(p)), cfg(c), where(w), ids(c.max_sequences) {
+      : paged_book(std::move(p), c.max_sequences, c.expected_tokens), cfg(c), where(w) {
     cfg.pool = pool;
     cfg.shape = pool->shape();
     cfg.storage = pool->storage();
@@ -131,70 +114,14 @@ struct paged_cache<cuda>::impl {
   }
   impl(const impl&) = delete;
   impl& operator=(const impl&) = delete;
-  ~impl() { release_all(); }
 
-  [[nodiscard]] const geometry& shape() const noexcept { return pool->shape(); }
-  [[nodiscard]] std::size_t B() const noexcept { return pool->block_tokens(); }
-  [[nodiscard]] std::size_t blocks_for(std::size_t t) const noexcept { return t / B() + (t % B() != 0 ? 1 : 0); }
   [[nodiscard]] bool fresh() const noexcept { return prepared_epoch == epoch; }
 
-  void release_all() noexcept {
-    if (!pool) return;
-    for (std::uint32_t slot = 0; slot < seqs.size(); ++slot)
-      if (ids.is_live(slot)) drop_blocks(seqs[slot]);
-  }
-
-  void drop_blocks(sequence& s) noexcept {
-    pool->ledger().unref(s.blocks);
-    s.blocks.clear();
-    tokens -= s.length;
-    reserved_tokens -= s.pending;
-    s.length = s.pending = s.known = s.hashed = 0;
-    s.reserved = s.pending_ids = false;
-    s.written_count = 0;
-  }
-
-  sequence& fresh_slot(std::uint32_t slot) {
-    if (slot >= seqs.size()) seqs.resize(static_cast<std::size_t>(slot) + 1);
-    sequence& s = seqs[slot];
-    s.blocks.clear();
-    s.written.assign(shape().layers, 0);
-    s.length = s.pending = s.known = s.hashed = 0;
-    s.written_count = 0;
-    s.reserved = s.pending_ids = false;
-    return s;
-  }
-
-  void ensure_capacity(sequence& s, std::size_t blocks) {
-    if (s.blocks.capacity() < blocks) s.blocks.reserve(std::max(blocks, 2 * s.blocks.capacity()));
-    if (s.chunk_cap >= blocks) return;
-    const std::size_t cap = std::max<std::size_t>({blocks, 2 * s.chunk_cap, 4});
-    const std::uint32_t layers = shape().layers;
-    std::vector<chunk> grown(cap * layers);
-    for (std::uint32_t l = 0; l < layers; ++l)
-      std::copy_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(l * s.chunk_cap), s.blocks.size(),
-                  grown.begin() + static_cast<std::ptrdiff_t>(l * cap));
-    s.chunks = std::move(grown);
-    s.chunk_cap = cap;
-  }
-
-  void set_chunk(sequence& s, std::size_t i, std::uint32_t t) noexcept {
-    const pool_type& p = *pool;
-    const std::uint32_t b = s.blocks[i];
-    for (std::uint32_t l = 0; l < p.shape().layers; ++l) {
-      chunk& c = s.chunks[l * s.chunk_cap + i];
-      c.k = p.k_block(l, b);
-      c.v = p.v_block(l, b);
-      c.k_head_stride = c.v_head_stride = p.head_stride();
-      c.tokens = t;
-      c.k_format = c.v_format = p.storage();
-    }
-  }
-
-  void set_tokens(sequence& s, std::size_t i) noexcept {
-    const std::size_t start = i * B();
-    const auto t = static_cast<std::uint32_t>(s.length <= start ? 0 : std::min(B(), s.length - start));
-    for (std::uint32_t l = 0; l < shape().layers; ++l) s.chunks[l * s.chunk_cap + i].tokens = t;
+  // ++epoch where r holds a value (a change to the block tables).
+  template <class R>
+  R changed(R r) {
+    if (r.has_value()) ++epoch;
+    return r;
   }
 
   // Enqueues the device copy of block `from` into `to` (every layer) and copies its token ids.
@@ -206,94 +133,8 @@ struct paged_cache<cuda>::impl {
     return {};
   }
 
-  [[nodiscard]] result<void> reserve_impl(seq_id id, std::size_t n, std::span<const std::int32_t> token_ids) {
-    result<std::uint32_t> slot = ids.slot(id, "reserve: unknown sequence");
-    KVCACHE_TRY(slot);
-    sequence& s = seqs[slot.value()];
-    if (s.reserved)
-      return fail(errc::reservation_pending, "reserve: a reservation is already open",
-                  {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(s.pending)}});
-    const std::size_t have = s.blocks.size();
-    if (n > 0) {
-      const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * B();
-      if (n > pool_tokens)
-        return fail(errc::pool_exhausted, "reserve: more tokens than the block pool holds",
-                    {{"tokens", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
-                     {"pool_tokens", static_cast<long long>(pool_tokens)}});
-      const std::size_t fresh_blocks = blocks_for(s.length + n) - have;
-      ensure_capacity(s, have + fresh_blocks);
-      const std::uint32_t tail = s.length % B() != 0 ? s.blocks.back() : detail::block_ledger::no_block;
-      s.blocks.resize(have + fresh_blocks);
-      std::uint32_t copy = detail::block_ledger::no_block;
-      const detail::block_ledger::grant g = pool->ledger().acquire(tail, fresh_blocks, s.blocks.data() + have, &copy);
-      if (!g.ok) {
-        s.blocks.resize(have);
-        return fail(errc::pool_exhausted, "reserve: block pool exhausted",
-                    {{"needed", static_cast<long long>(g.needed)}, {"free", static_cast<long long>(g.available)},
-                     {"tokens", static_cast<long long>(n)}});
-      }
-      if (g.copy) {
-        const result<void> copied = copy_block(tail, copy);
-        if (!copied.has_value()) {  // device failure: give the new blocks back
-          pool->ledger().unref(std::span<const std::uint32_t>(&copy, 1));
-          pool->ledger().unref(std::span<const std::uint32_t>(s.blocks).subspan(have));
-          s.blocks.resize(have);
-          return copied;
-        }
-        s.blocks[have - 1] = copy;
-        pool->ledger().unref(std::span<const std::uint32_t>(&tail, 1));
-        set_chunk(s, have - 1, static_cast<std::uint32_t>(s.length - (have - 1) * B()));
-      }
-      for (std::size_t i = have; i < have + fresh_blocks; ++i) set_chunk(s, i, 0);
-      if (!token_ids.empty() && s.known == s.length) {
-        for (std::size_t t = 0; t < n; ++t) {
-          const std::size_t pos = s.length + t;
-          pool->ledger().tokens(s.blocks[pos / B()])[pos % B()] = token_ids[t];
-        }
-        s.pending_ids = true;
-      }
-    } else {
-      s.pending_ids = !token_ids.empty() && s.known == s.length;
-    }
-    s.reserved = true;
-    s.pending = n;
-    reserved_tokens += n;
-    s.written_count = 0;
-    std::fill(s.written.begin(), s.written.end(), std::uint8_t{0});
-    ++epoch;
-    return {};
-  }
-
-  [[nodiscard]] result<seq_id> copy_prefix_impl(seq_id src_id, std::uint32_t src_slot, std::size_t n, const char* what) {
-    {
-      const sequence& src = seqs[src_slot];
-      if (src.reserved)
-        return fail(errc::reservation_pending, what,
-                    {{"seq", static_cast<long long>(src_id.value)}, {"pending", static_cast<long long>(src.pending)}});
-      if (n > src.length)
-        return fail(errc::out_of_range, what,
-                    {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
-                     {"length", static_cast<long long>(src.length)}});
-    }
-    result<seq_id> id = ids.acquire();
-    KVCACHE_TRY(id);
-    const std::uint32_t slot = ids.slot(id.value(), what).value();
-    sequence& dst = fresh_slot(slot);
-    const sequence& src = seqs[src_slot];
-    const std::size_t count = blocks_for(n);
-    ensure_capacity(dst, std::max(count, blocks_for(cfg.expected_tokens)));
-    dst.blocks.assign(src.blocks.begin(), src.blocks.begin() + static_cast<std::ptrdiff_t>(count));
-    pool->ledger().add_refs(dst.blocks);
-    for (std::uint32_t l = 0; l < shape().layers; ++l)
-      std::copy_n(src.chunks.begin() + static_cast<std::ptrdiff_t>(l * src.chunk_cap), count,
-                  dst.chunks.begin() + static_cast<std::ptrdiff_t>(l * dst.chunk_cap));
-    dst.length = n;
-    dst.known = std::min(src.known, n);
-    dst.hashed = std::min(src.hashed, n / B());
-    if (count > 0) set_tokens(dst, count - 1);
-    tokens += n;
-    ++epoch;
-    return id;
+  [[nodiscard]] auto copier() {
+    return [this](std::uint32_t from, std::uint32_t to) { return copy_block(from, to); };
   }
 
   // Appends the reservation's rows (device, `src` format, token-major) block run by block run.
@@ -400,48 +241,18 @@ std::uint32_t paged_cache<cuda>::block_tokens() const noexcept { return impl_->p
 const std::shared_ptr<block_pool<cuda>>& paged_cache<cuda>::pool() const noexcept { return impl_->pool; }
 const cuda& paged_cache<cuda>::placement() const noexcept { return impl_->where; }
 
-result<seq_id> paged_cache<cuda>::create() {
-  impl& m = *impl_;
-  result<seq_id> id = m.ids.acquire();
-  KVCACHE_TRY(id);
-  impl::sequence& s = m.fresh_slot(m.ids.slot(id.value(), "create").value());
-  m.ensure_capacity(s, m.blocks_for(m.cfg.expected_tokens));
-  ++m.epoch;
-  return id;
-}
+result<seq_id> paged_cache<cuda>::create() { return impl_->changed(impl_->create()); }
 
 result<prefix_match> paged_cache<cuda>::create_with_prefix(std::span<const std::int32_t> tokens) {
-  impl& m = *impl_;
-  result<seq_id> id = m.ids.acquire();
-  KVCACHE_TRY(id);
-  impl::sequence& s = m.fresh_slot(m.ids.slot(id.value(), "create_with_prefix").value());
-  const std::size_t B = m.B();
-  const std::size_t max_blocks = tokens.empty() ? 0 : (tokens.size() - 1) / B;
-  m.ensure_capacity(s, std::max(max_blocks, m.blocks_for(m.cfg.expected_tokens)));
-  s.blocks.resize(max_blocks);
-  const std::size_t k = m.pool->ledger().adopt(tokens, max_blocks, s.blocks.data());
-  s.blocks.resize(k);
-  for (std::size_t i = 0; i < k; ++i) m.set_chunk(s, i, static_cast<std::uint32_t>(B));
-  s.length = s.known = k * B;
-  s.hashed = k;
-  m.tokens += s.length;
-  m.query_tokens += max_blocks * B;
-  m.hit_tokens += k * B;
-  ++m.epoch;
-  return prefix_match{id.value(), s.length};
+  return impl_->changed(impl_->create_with_prefix(tokens));
 }
 
-result<void> paged_cache<cuda>::reserve(seq_id id, std::size_t n) { return impl_->reserve_impl(id, n, {}); }
+result<void> paged_cache<cuda>::reserve(seq_id id, std::size_t n) {
+  return impl_->changed(impl_->reserve(id, n, {}, impl_->copier()));
+}
 
 result<void> paged_cache<cuda>::reserve(seq_id id, std::size_t n, std::span<const std::int32_t> token_ids) {
-  if (token_ids.size() != n) {
-    result<std::uint32_t> slot = impl_->ids.slot(id, "reserve: unknown sequence");
-    KVCACHE_TRY(slot);
-    return fail(errc::bad_shape, "reserve: token id count differs from the token count",
-                {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
-                 {"token_ids", static_cast<long long>(token_ids.size())}});
-  }
-  return impl_->reserve_impl(id, n, token_ids);
+  return impl_->changed(impl_->reserve_with_ids(id, n, token_ids, impl_->copier()));
 }
 
 result<void> paged_cache<cuda>::write(seq_id id, std::uint32_t layer, std::span<const float> k, std::span<const float> v) {
@@ -461,181 +272,41 @@ result<void> paged_cache<cuda>::write_device(seq_id id, std::uint32_t layer, con
 
 result<void> paged_cache<cuda>::commit(seq_id id) {
   impl& m = *impl_;
-  result<std::uint32_t> slot = m.ids.slot(id, "commit: unknown sequence");
-  KVCACHE_TRY(slot);
-  impl::sequence& s = m.seqs[slot.value()];
-  KVCACHE_TRY(detail::check_commit(id, s.reserved, s.written, s.written_count, m.shape().layers));
-  const std::size_t B = m.B();
-  if (s.pending_ids && (s.length + s.pending) / B > s.hashed) {
-    // Publishing makes blocks adoptable by other caches of the pool, whose kernels may run on
-    // other streams: wait until this cache's writes into them are complete.
-    KVCACHE_TRY(cuda_synchronize(m.where));
-  }
-  const std::size_t old = s.length;
-  s.length += s.pending;
-  m.tokens += s.pending;
-  m.reserved_tokens -= s.pending;
-  s.pending = 0;
-  s.reserved = false;
-  for (std::size_t i = old / B; i < s.blocks.size(); ++i) m.set_tokens(s, i);
-  if (s.pending_ids) {
-    s.pending_ids = false;
-    s.known = s.length;
-    const std::size_t full = s.length / B;
-    if (full > s.hashed) {
-      const std::uint32_t parent = s.hashed == 0 ? detail::block_ledger::no_block : s.blocks[s.hashed - 1];
-      const std::span<std::uint32_t> fresh(s.blocks.data() + s.hashed, full - s.hashed);
-      if (m.pool->ledger().publish(fresh, parent) != 0)
-        for (std::size_t i = s.hashed; i < full; ++i) m.set_chunk(s, i, static_cast<std::uint32_t>(B));
-      s.hashed = full;
-    }
-  }
-  ++m.epoch;
-  return {};
+  // Publishing makes blocks adoptable by other caches of the pool, whose kernels may run on
+  // other streams: first wait until this cache's writes into them are complete.
+  return m.changed(m.commit(id, [&m] { return cuda_synchronize(m.where); }));
 }
 
-result<std::size_t> paged_cache<cuda>::length(seq_id id) const {
-  result<std::uint32_t> slot = impl_->ids.slot(id, "length: unknown sequence");
-  KVCACHE_TRY(slot);
-  return impl_->seqs[slot.value()].length;
-}
+result<std::size_t> paged_cache<cuda>::length(seq_id id) const { return impl_->length(id); }
 
-result<void> paged_cache<cuda>::truncate(seq_id id, std::size_t n) {
-  impl& m = *impl_;
-  result<std::uint32_t> slot = m.ids.slot(id, "truncate: unknown sequence");
-  KVCACHE_TRY(slot);
-  impl::sequence& s = m.seqs[slot.value()];
-  KVCACHE_TRY(detail::check_truncate(id, s.reserved, s.pending, n, s.length));
-  const std::size_t keep = m.blocks_for(n);
-  if (keep < s.blocks.size()) {
-    m.pool->ledger().unref(std::span<const std::uint32_t>(s.blocks).subspan(keep));
-    s.blocks.resize(keep);
-  }
-  m.tokens -= s.length - n;
-  s.length = n;
-  s.known = std::min(s.known, n);
-  s.hashed = std::min(s.hashed, n / m.B());
-  if (keep > 0) m.set_tokens(s, keep - 1);
-  ++m.epoch;
-  return {};
-}
+result<void> paged_cache<cuda>::truncate(seq_id id, std::size_t n) { return impl_->changed(impl_->truncate(id, n)); }
 
-result<seq_id> paged_cache<cuda>::fork(seq_id src) {
-  result<std::uint32_t> slot = impl_->ids.slot(src, "fork: unknown sequence");
-  KVCACHE_TRY(slot);
-  return impl_->copy_prefix_impl(src, slot.value(), impl_->seqs[slot.value()].length, "fork");
-}
+result<seq_id> paged_cache<cuda>::fork(seq_id src) { return impl_->changed(impl_->copy_prefix(src, 0, true, "fork")); }
 
 result<seq_id> paged_cache<cuda>::copy_prefix(seq_id src, std::size_t n) {
-  result<std::uint32_t> slot = impl_->ids.slot(src, "copy_prefix: unknown sequence");
-  KVCACHE_TRY(slot);
-  return impl_->copy_prefix_impl(src, slot.value(), n, "copy_prefix");
+  return impl_->changed(impl_->copy_prefix(src, n, false, "copy_prefix"));
 }
 
-result<void> paged_cache<cuda>::release(seq_id id) {
-  impl& m = *impl_;
-  result<std::uint32_t> slot = m.ids.slot(id, "release: unknown sequence");
-  KVCACHE_TRY(slot);
-  m.drop_blocks(m.seqs[slot.value()]);
-  m.ids.release(slot.value());
-  ++m.epoch;
-  return {};
-}
+result<void> paged_cache<cuda>::release(seq_id id) { return impl_->changed(impl_->release(id)); }
 
-result<layer_view> paged_cache<cuda>::view(seq_id id, std::uint32_t layer) const {
-  const impl& m = *impl_;
-  result<std::uint32_t> slot = m.ids.slot(id, "view: unknown sequence");
-  KVCACHE_TRY(slot);
-  if (layer >= m.shape().layers)
-    return fail(errc::layer_out_of_range, "view: layer", {{"layer", layer}, {"layers", m.shape().layers}});
-  const impl::sequence& s = m.seqs[slot.value()];
-  const std::size_t count = m.blocks_for(s.length);
-  const chunk* first = count == 0 ? nullptr : s.chunks.data() + static_cast<std::size_t>(layer) * s.chunk_cap;
-  return layer_view{first, static_cast<std::uint32_t>(count), static_cast<std::uint32_t>(s.length)};
-}
+result<layer_view> paged_cache<cuda>::view(seq_id id, std::uint32_t layer) const { return impl_->view(id, layer); }
 
-result<std::span<const std::uint32_t>> paged_cache<cuda>::blocks(seq_id id) const {
-  result<std::uint32_t> slot = impl_->ids.slot(id, "blocks: unknown sequence");
-  KVCACHE_TRY(slot);
-  return std::span<const std::uint32_t>(impl_->seqs[slot.value()].blocks);
-}
+result<std::span<const std::uint32_t>> paged_cache<cuda>::blocks(seq_id id) const { return impl_->blocks(id); }
 
 result<block_table_csr> paged_cache<cuda>::export_block_tables(std::span<const seq_id> seqs, std::span<std::int32_t> indptr,
                                                                std::span<std::int32_t> indices,
                                                                std::span<std::int32_t> last_block_len) const {
-  const impl& m = *impl_;
-  std::size_t total = 0;
-  for (const seq_id id : seqs) {
-    result<std::uint32_t> slot = m.ids.slot(id, "export_block_tables: unknown sequence");
-    KVCACHE_TRY(slot);
-    total += m.blocks_for(m.seqs[slot.value()].length);
-  }
-  if (seqs.size() >= std::numeric_limits<std::uint32_t>::max() ||
-      total > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
-    return fail(errc::overflow, "export_block_tables: batch too large for int32 CSR",
-                {{"sequences", static_cast<long long>(seqs.size())}, {"blocks", static_cast<long long>(total)}});
-  if (indptr.size() < seqs.size() + 1)
-    return fail(errc::bad_shape, "export_block_tables: indptr buffer too small",
-                {{"needed", static_cast<long long>(seqs.size() + 1)}, {"got", static_cast<long long>(indptr.size())}});
-  if (indices.size() < total)
-    return fail(errc::bad_shape, "export_block_tables: indices buffer too small",
-                {{"needed", static_cast<long long>(total)}, {"got", static_cast<long long>(indices.size())}});
-  if (last_block_len.size() < seqs.size())
-    return fail(errc::bad_shape, "export_block_tables: last_block_len buffer too small",
-                {{"needed", static_cast<long long>(seqs.size())}, {"got", static_cast<long long>(last_block_len.size())}});
-  std::size_t at = 0;
-  indptr[0] = 0;
-  for (std::size_t i = 0; i < seqs.size(); ++i) {
-    const impl::sequence& s = m.seqs[m.ids.slot(seqs[i], "export_block_tables").value()];
-    const std::size_t count = m.blocks_for(s.length);
-    for (std::size_t b = 0; b < count; ++b) indices[at++] = static_cast<std::int32_t>(s.blocks[b]);
-    indptr[i + 1] = static_cast<std::int32_t>(at);
-    last_block_len[i] = static_cast<std::int32_t>(count == 0 ? 0 : s.length - (count - 1) * m.B());
-  }
-  return block_table_csr{indptr.data(), indices.data(), last_block_len.data(), static_cast<std::uint32_t>(seqs.size()),
-                         block_tokens()};
+  return impl_->export_block_tables(seqs, indptr, indices, last_block_len);
 }
 
 result<block_table_csr> paged_cache<cuda>::export_block_tables(std::span<const seq_id> seqs) {
-  impl& m = *impl_;
-  std::size_t total = 0;
-  for (const seq_id id : seqs) {
-    result<std::uint32_t> slot = m.ids.slot(id, "export_block_tables: unknown sequence");
-    KVCACHE_TRY(slot);
-    total += m.blocks_for(m.seqs[slot.value()].length);
-  }
-  if (m.csr_indptr.size() < seqs.size() + 1) m.csr_indptr.resize(seqs.size() + 1);
-  if (m.csr_indices.size() < total) m.csr_indices.resize(total);
-  if (m.csr_last.size() < seqs.size()) m.csr_last.resize(seqs.size());
-  return export_block_tables(seqs, m.csr_indptr, m.csr_indices, m.csr_last);
+  return impl_->export_block_tables(seqs);
 }
 
 paged_stats paged_cache<cuda>::stats() const {
   const impl& m = *impl_;
-  const block_pool_stats ps = m.pool->stats();
-  paged_stats st;
-  st.sequences = m.ids.live();
-  st.tokens = m.tokens;
-  st.resident_bytes = ps.resident_bytes + m.staging.size() + m.table_buf.size();
-  st.reserved_tokens = m.reserved_tokens;
-  st.block_tokens = m.B();
-  st.block_bytes = m.pool->block_bytes();
-  st.blocks_total = ps.blocks_total;
-  st.blocks_free = ps.blocks_free;
-  st.blocks_in_use = ps.blocks_in_use;
-  st.blocks_shared = ps.blocks_shared;
-  st.blocks_cached = ps.blocks_cached;
-  st.evictions = ps.evictions;
-  for (std::uint32_t slot = 0; slot < m.seqs.size(); ++slot) {
-    if (!m.ids.is_live(slot)) continue;
-    const impl::sequence& s = m.seqs[slot];
-    st.table_blocks += s.blocks.size();
-    st.internal_waste_tokens += s.blocks.size() * m.B() - s.length - s.pending;
-  }
-  st.internal_waste_bytes = st.internal_waste_tokens * (m.pool->block_bytes() / m.B());
-  st.prefix_query_tokens = m.query_tokens;
-  st.prefix_hit_tokens = m.hit_tokens;
-  st.prefix_hit_rate = m.query_tokens == 0 ? 0.0 : static_cast<double>(m.hit_tokens) / static_cast<double>(m.query_tokens);
+  paged_stats st = m.stats();  // resident: the pool's arena, plus this cache's staging and table
+  st.resident_bytes += m.staging.size() + m.table_buf.size();
   return st;
 }
 
