@@ -5,9 +5,10 @@
 /// same protocol, semantics and errors as paged_cache<cpu> — block tables, ref-counted forks with
 /// copy-on-write of a shared partial block (a device-to-device copy per layer), chained-hash
 /// prefix reuse with an LRU of cached blocks, host CSR export — since the bookkeeping is the same
-/// host-side detail::block_ledger. Device work: writes go through the append kernel, copy-on-write
-/// through cudaMemcpyAsync, and the batch decode path (prepare / write_batch / attend) mirrors the
-/// prepared batch's block tables to device memory in CSR form (indptr, indices, last_page_len).
+/// host code: detail::paged_book (paged_cache.hpp) over the pool's detail::block_ledger. Device
+/// work: writes go through the append kernel, copy-on-write through cudaMemcpyAsync, and the
+/// batch decode path (prepare / write_batch / attend) mirrors the prepared batch's block tables
+/// to device memory in CSR form (indptr, indices, last_page_len).
 ///
 /// Views: one chunk per block whose k/v are device pointers (the layer_view and chunks are host
 /// memory). Streams: everything is enqueued on the cache's placement stream; a host-span write
