@@ -103,7 +103,8 @@ namespace detail {
 /// commits with prefix publishing, truncation, copy-on-write forks, views, CSR export and the
 /// cache's counters. What differs by placement is passed in: how a block is copied (reserve) and
 /// what must happen before blocks are published to other caches (commit). Every operation
-/// checks everything before it changes anything, so a failed call leaves the book as it was.
+/// checks its arguments before it changes anything, and a failed call leaves the sequences as
+/// they were (where reserve's block copy fails, the blocks it took go back to the pool).
 template <class Pool>
 struct paged_book {
   struct sequence {
