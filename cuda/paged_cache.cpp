@@ -223,6 +223,11 @@ result<paged_cache<cuda>> paged_cache<cuda>::create(const paged_config<cuda>& cf
   if (cfg.max_sequences > std::numeric_limits<std::uint32_t>::max())
     return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
                 {{"max_sequences", static_cast<long long>(cfg.max_sequences)}});
+  const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * pool->block_tokens();
+  if (cfg.expected_tokens > pool_tokens)  // as paged_cache<cpu>: the arrays sized by it could never fill
+    return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
+                {{"expected_tokens", static_cast<long long>(std::min<std::size_t>(cfg.expected_tokens, std::numeric_limits<long long>::max()))},
+                 {"pool_tokens", static_cast<long long>(pool_tokens)}});
   return paged_cache(std::make_unique<impl>(cfg, std::move(pool), where));
 }
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -179,6 +180,22 @@ TEST(cuda_paged, pool_exhaustion_changes_nothing) {
   const kvcache::result<void> stale = c->write_batch(0, rows.data(), rows.data());
   ASSERT_FALSE(stale.has_value());
   EXPECT_EQ(stale.error().code, errc::invalid_argument);
+}
+
+TEST(cuda_paged, expected_tokens_beyond_the_pool_is_refused) {
+  KVCACHE_REQUIRE_CUDA();
+  const kvcache::geometry g{2, 1, 32};
+  auto cfg = config<kvcache::paged_cache<cuda>>(g, format::f16, 8);
+  cfg.budget_bytes = 4 * 8 * g.token_width() * 2 * g.layers * 2;  // 4 blocks: 32 tokens
+  cfg.expected_tokens = 33;
+  const auto refused = kvcache::paged_cache<cuda>::create(cfg);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code, errc::invalid_argument);
+  const std::string& what = refused.error().message;
+  EXPECT_NE(what.find("expected_tokens=33"), std::string::npos) << what;
+  EXPECT_NE(what.find("pool_tokens=32"), std::string::npos) << what;
+  cfg.expected_tokens = 32;
+  KVCACHE_ASSERT_OK(kvcache::paged_cache<cuda>::create(cfg));
 }
 
 TEST(cuda_paged, batch_decode_matches_reference) {

@@ -43,7 +43,8 @@ class paged_cache<cuda> {
 
   /// Builds an empty cache on cfg.pool, or on a new block_pool<cuda> made from cfg's fields on
   /// `where.device`. Errors: those of block_pool<cuda>::create; errc::invalid_argument when
-  /// cfg.shape is non-zero and differs from the shared pool's, or the pool is on another device.
+  /// cfg.shape is non-zero and differs from the shared pool's, when the pool is on another
+  /// device, when max_sequences >= 2^32, or when expected_tokens exceeds the tokens the pool holds.
   [[nodiscard]] static result<paged_cache> create(const paged_config<cuda>& cfg, const cuda& where = {});
 
   paged_cache(paged_cache&&) noexcept;             ///< views stay valid
