@@ -9,6 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#ifdef KVCACHE_CUDA_EMULATED
+#include <cuda_runtime.h>  // the emulated runtime (tests/cuda/emu_runtime): its fault injection
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -181,6 +185,52 @@ TEST(cuda_paged, pool_exhaustion_changes_nothing) {
   ASSERT_FALSE(stale.has_value());
   EXPECT_EQ(stale.error().code, errc::invalid_argument);
 }
+
+#ifdef KVCACHE_CUDA_EMULATED
+// With the emulated runtime's fault injection (tests/cuda/emu_runtime): where the device copy of
+// reserve's copy-on-write fails, reserve returns device_error and gives back every block it took,
+// the shared block's references included: both sequences and the pool are as before the call.
+TEST(cuda_paged, failed_copy_on_write_changes_nothing) {
+  const kvcache::geometry g{2, 1, 32};
+  auto c = kvcache::paged_cache<cuda>::create(config<kvcache::paged_cache<cuda>>(g, format::f16, 8));
+  KVCACHE_ASSERT_OK(c);
+  const seq_id a = c->create().value();
+  KVCACHE_ASSERT_OK(c->reserve(a, 12));  // one full block and a partial one of 4 tokens
+  const std::vector<float> rows(12 * g.token_width(), 0.25f);
+  for (std::uint32_t l = 0; l < g.layers; ++l) KVCACHE_ASSERT_OK(c->write(a, l, std::span<const float>(rows), std::span<const float>(rows)));
+  KVCACHE_ASSERT_OK(c->commit(a));
+  const seq_id b = c->fork(a).value();  // shares both blocks, the partial one too
+  auto blocks_of = [&](seq_id s) { return std::vector<std::uint32_t>(c->blocks(s)->begin(), c->blocks(s)->end()); };
+  const std::vector<std::uint32_t> a_before = blocks_of(a), b_before = blocks_of(b);
+  ASSERT_EQ(a_before, b_before);
+  const kvcache::paged_stats before = c->stats();
+  EXPECT_EQ(before.blocks_shared, 2u);
+
+  kvcache_emu::state().fail_device_copies = 1;
+  const kvcache::result<void> r = c->reserve(b, 1);  // b's partial block is shared: copy-on-write
+  kvcache_emu::state().fail_device_copies = 0;
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code, errc::device_error) << r.error().message;
+  EXPECT_EQ(blocks_of(a), a_before);
+  EXPECT_EQ(blocks_of(b), b_before);
+  const kvcache::paged_stats after = c->stats();
+  EXPECT_EQ(after.blocks_free, before.blocks_free);
+  EXPECT_EQ(after.blocks_in_use, before.blocks_in_use);
+  EXPECT_EQ(after.blocks_shared, before.blocks_shared);
+  EXPECT_EQ(after.tokens, before.tokens);
+  EXPECT_EQ(after.reserved_tokens, 0u);
+  EXPECT_EQ(c->view(b, 0)->tokens, 12u);
+
+  // The same reserve without the fault copies the block: b's last block is its own now.
+  KVCACHE_ASSERT_OK(c->reserve(b, 1));
+  const std::vector<std::uint32_t> b_after = blocks_of(b);
+  ASSERT_EQ(b_after.size(), 2u);
+  EXPECT_EQ(b_after[0], a_before[0]);
+  EXPECT_NE(b_after[1], a_before[1]);
+  EXPECT_EQ(c->stats().blocks_shared, 1u);
+  EXPECT_EQ(blocks_of(a), a_before);
+}
+#endif
 
 TEST(cuda_paged, expected_tokens_beyond_the_pool_is_refused) {
   KVCACHE_REQUIRE_CUDA();

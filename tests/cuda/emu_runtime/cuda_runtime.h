@@ -17,7 +17,13 @@
 
 struct CUstream_st;
 
-enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2, cudaErrorInvalidValue = 1, cudaErrorNoDevice = 100 };
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorNoDevice = 100,
+  cudaErrorLaunchFailure = 719
+};
 enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1, cudaStreamCaptureModeRelaxed = 2 };
 using cudaStream_t = CUstream_st*;
@@ -49,6 +55,9 @@ struct runtime_state {
   std::vector<std::function<void()>> queue;
   std::map<const char*, std::size_t> device;  // cudaMalloc'ed ranges
   std::map<const char*, std::size_t> pinned;  // cudaMallocHost'ed ranges
+  // Fault injection for tests: the next `fail_device_copies` device-to-device cudaMemcpyAsync
+  // calls fail with cudaErrorLaunchFailure and copy nothing.
+  int fail_device_copies = 0;
 };
 inline runtime_state& state() {
   static runtime_state s;
@@ -122,8 +131,12 @@ inline cudaError_t cudaFreeHost(void* p) {
   std::free(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t) {
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
   using namespace kvcache_emu;
+  if (kind == cudaMemcpyDeviceToDevice && state().fail_device_copies > 0) {
+    --state().fail_device_copies;
+    return cudaErrorLaunchFailure;
+  }
   const bool dst_pageable = !within(state().device, dst) && !within(state().pinned, dst);
   const bool src_pageable = !within(state().device, src) && !within(state().pinned, src);
   if (capturing() != nullptr) {  // a captured copy reads its source at replay time
