@@ -202,11 +202,7 @@ struct paged_cache<cuda>::impl : detail::paged_book<block_pool<cuda>> {
 result<paged_cache<cuda>> paged_cache<cuda>::create(const paged_config<cuda>& cfg, const cuda& where) {
   std::shared_ptr<pool_type> pool = cfg.pool;
   if (pool) {
-    const geometry& ps = pool->shape();
-    if (cfg.shape != geometry{} && cfg.shape != ps)
-      return fail(errc::invalid_argument, "paged_config.shape differs from the shared pool's",
-                  {{"layers", cfg.shape.layers}, {"pool_layers", ps.layers}, {"kv_heads", cfg.shape.kv_heads},
-                   {"pool_kv_heads", ps.kv_heads}, {"head_dim", cfg.shape.head_dim}, {"pool_head_dim", ps.head_dim}});
+    KVCACHE_TRY(impl::check_shared_pool(cfg.shape, *pool));
     if (pool->placement().device != where.device)
       return fail(errc::invalid_argument, "paged_cache: the shared pool lives on another device",
                   {{"device", where.device}, {"pool_device", pool->placement().device}});
@@ -220,14 +216,7 @@ result<paged_cache<cuda>> paged_cache<cuda>::create(const paged_config<cuda>& cf
     KVCACHE_TRY(made);
     pool = std::move(made).value();
   }
-  if (cfg.max_sequences > std::numeric_limits<std::uint32_t>::max())
-    return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
-                {{"max_sequences", static_cast<long long>(cfg.max_sequences)}});
-  const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * pool->block_tokens();
-  if (cfg.expected_tokens > pool_tokens)  // as paged_cache<cpu>: the arrays sized by it could never fill
-    return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
-                {{"expected_tokens", static_cast<long long>(std::min<std::size_t>(cfg.expected_tokens, std::numeric_limits<long long>::max()))},
-                 {"pool_tokens", static_cast<long long>(pool_tokens)}});
+  KVCACHE_TRY(impl::check_limits(cfg.max_sequences, cfg.expected_tokens, *pool));
   return paged_cache(std::make_unique<impl>(cfg, std::move(pool), where));
 }
 

@@ -448,6 +448,30 @@ struct paged_book {
 
   // ---- helpers ----------------------------------------------------------------------------
 
+  /// paged_cache<P>::create's check of a shared pool: the configured shape, where non-zero, is
+  /// the pool's (invalid_argument naming both).
+  [[nodiscard]] static result<void> check_shared_pool(const geometry& configured, const Pool& p) {
+    const geometry& ps = p.shape();
+    if (configured != geometry{} && configured != ps)
+      return fail(errc::invalid_argument, "paged_config.shape differs from the shared pool's",
+                  {{"layers", configured.layers}, {"pool_layers", ps.layers}, {"kv_heads", configured.kv_heads},
+                   {"pool_kv_heads", ps.kv_heads}, {"head_dim", configured.head_dim}, {"pool_head_dim", ps.head_dim}});
+    return {};
+  }
+
+  /// paged_cache<P>::create's checks of the limits against the cache's pool: max_sequences < 2^32,
+  /// expected_tokens (which sizes each new sequence's arrays) within the tokens the pool holds.
+  [[nodiscard]] static result<void> check_limits(std::size_t max_sequences, std::size_t expected_tokens, const Pool& p) {
+    if (max_sequences > std::numeric_limits<std::uint32_t>::max())
+      return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
+                  {{"max_sequences", clamp_ll(max_sequences)}});
+    const std::size_t pool_tokens = static_cast<std::size_t>(p.blocks()) * p.block_tokens();
+    if (expected_tokens > pool_tokens)
+      return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
+                  {{"expected_tokens", clamp_ll(expected_tokens)}, {"pool_tokens", clamp_ll(pool_tokens)}});
+    return {};
+  }
+
   static long long clamp_ll(std::size_t x) noexcept {
     return static_cast<long long>(std::min<std::size_t>(x, std::numeric_limits<long long>::max()));
   }
@@ -550,12 +574,7 @@ class paged_cache<cpu> {
   [[nodiscard]] static result<paged_cache> create(const paged_config<cpu>& cfg) {
     std::shared_ptr<pool_type> pool = cfg.pool;
     if (pool) {
-      const geometry& ps = pool->shape();
-      if (cfg.shape != geometry{} && cfg.shape != ps)
-        return fail(errc::invalid_argument, "paged_config.shape differs from the shared pool's",
-                    {{"layers", cfg.shape.layers}, {"pool_layers", ps.layers}, {"kv_heads", cfg.shape.kv_heads},
-                     {"pool_kv_heads", ps.kv_heads}, {"head_dim", cfg.shape.head_dim},
-                     {"pool_head_dim", ps.head_dim}});
+      KVCACHE_TRY(book_type::check_shared_pool(cfg.shape, *pool));
     } else {
       block_pool_config pc;
       pc.shape = cfg.shape;
@@ -566,14 +585,7 @@ class paged_cache<cpu> {
       KVCACHE_TRY(made);
       pool = std::move(made).value();
     }
-    if (cfg.max_sequences > std::numeric_limits<std::uint32_t>::max())
-      return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
-                  {{"max_sequences", static_cast<long long>(cfg.max_sequences)}});
-    const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * pool->block_tokens();
-    if (cfg.expected_tokens > pool_tokens)
-      return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
-                  {{"expected_tokens", static_cast<long long>(cfg.expected_tokens)},
-                   {"pool_tokens", static_cast<long long>(pool_tokens)}});
+    KVCACHE_TRY(book_type::check_limits(cfg.max_sequences, cfg.expected_tokens, *pool));
     return paged_cache(cfg, std::move(pool));
   }
 
