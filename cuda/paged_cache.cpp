@@ -133,6 +133,7 @@ struct paged_cache<cuda>::impl : detail::paged_book<block_pool<cuda>> {
     return {};
   }
 
+  // reserve's copy-on-write of a shared partial block (paged_book::reserve).
   [[nodiscard]] auto copier() {
     return [this](std::uint32_t from, std::uint32_t to) { return copy_block(from, to); };
   }

@@ -109,7 +109,7 @@ template <class Pool>
 struct paged_book {
   struct sequence {
     std::vector<std::uint32_t> blocks;  // [block index] pool block id, committed then reserved
-    std::vector<chunk> chunks;          // [layer][chunk_cap] one chunk per block
+    std::vector<chunk> chunks;          // [layer][chunk_cap] one chunk per block (device pointers on cuda)
     std::vector<std::uint8_t> written;  // [layer] written since the open reservation began
     std::size_t chunk_cap = 0;          // block slots per layer in `chunks`
     std::size_t length = 0;             // committed tokens
