@@ -222,7 +222,7 @@ result<void> contiguous_cache<cuda>::reserve(seq_id id, std::size_t n) {
   const std::size_t available = m.cfg.capacity_tokens - s.length;
   if (n > available)
     return fail(errc::capacity_exceeded, "reserve: sequence capacity exceeded",
-                {{"requested", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
+                {{"requested", detail::clamped(n)},
                  {"available", static_cast<long long>(available)},
                  {"capacity_tokens", static_cast<long long>(m.cfg.capacity_tokens)}});
   s.reserved = true;
@@ -297,7 +297,7 @@ result<seq_id> contiguous_cache<cuda>::copy_prefix(seq_id src_id, std::size_t n)
                 {{"seq", static_cast<long long>(src_id.value)}, {"pending", static_cast<long long>(src.pending)}});
   if (n > src.length)
     return fail(errc::out_of_range, "copy_prefix: count past the source's length",
-                {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
+                {{"n", detail::clamped(n)},
                  {"length", static_cast<long long>(src.length)}});
   if (m.ids.live() >= m.cfg.max_sequences)
     return fail(errc::capacity_exceeded, "copy_prefix: every sequence slot is in use",

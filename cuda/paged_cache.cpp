@@ -276,10 +276,10 @@ result<std::size_t> paged_cache<cuda>::length(seq_id id) const { return impl_->l
 
 result<void> paged_cache<cuda>::truncate(seq_id id, std::size_t n) { return impl_->changed(impl_->truncate(id, n)); }
 
-result<seq_id> paged_cache<cuda>::fork(seq_id src) { return impl_->changed(impl_->copy_prefix(src, 0, true, "fork")); }
+result<seq_id> paged_cache<cuda>::fork(seq_id src) { return impl_->changed(impl_->copy_prefix(src, 0, true)); }
 
 result<seq_id> paged_cache<cuda>::copy_prefix(seq_id src, std::size_t n) {
-  return impl_->changed(impl_->copy_prefix(src, n, false, "copy_prefix"));
+  return impl_->changed(impl_->copy_prefix(src, n, false));
 }
 
 result<void> paged_cache<cuda>::release(seq_id id) { return impl_->changed(impl_->release(id)); }

@@ -292,7 +292,7 @@ result<void> two_tier_cache<cuda>::reserve(seq_id id, std::size_t n) {
   const std::size_t available = m.cfg.max_tokens - s.length();
   if (n > available)
     return fail(errc::capacity_exceeded, "reserve: max_tokens exceeded",
-                {{"requested", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
+                {{"requested", detail::clamped(n)},
                  {"available", static_cast<long long>(available)}, {"max_tokens", static_cast<long long>(m.cfg.max_tokens)}});
   const std::size_t T = s.tail_len + n;
   const std::size_t migrate = T > m.cfg.tail_tokens ? (T - m.cfg.tail_tokens) / G : 0;

@@ -197,7 +197,7 @@ struct paged_book {
       result<std::uint32_t> slot = ids.slot(id, "reserve: unknown sequence");
       KVCACHE_TRY(slot);
       return fail(errc::bad_shape, "reserve: token id count differs from the token count",
-                  {{"n", clamp_ll(n)}, {"token_ids", clamp_ll(token_ids.size())}});
+                  {{"n", clamped(n)}, {"token_ids", clamped(token_ids.size())}});
     }
     return reserve(id, n, token_ids, copy_block);
   }
@@ -213,7 +213,7 @@ struct paged_book {
     sequence& s = seqs[slot.value()];
     if (s.reserved)
       return fail(errc::reservation_pending, "reserve: a reservation is already open",
-                  {{"seq", static_cast<long long>(id.value)}, {"pending", clamp_ll(s.pending)}});
+                  {{"seq", static_cast<long long>(id.value)}, {"pending", clamped(s.pending)}});
     const std::size_t have = s.blocks.size();
     if (n > 0) {
       // More tokens than the whole pool holds can never fit: answer before any arithmetic that
@@ -221,7 +221,7 @@ struct paged_book {
       const std::size_t pool_tokens = static_cast<std::size_t>(pool->blocks()) * B();
       if (n > pool_tokens)
         return fail(errc::pool_exhausted, "reserve: more tokens than the block pool holds",
-                    {{"tokens", clamp_ll(n)}, {"pool_tokens", clamp_ll(pool_tokens)}});
+                    {{"tokens", clamped(n)}, {"pool_tokens", clamped(pool_tokens)}});
       const std::size_t fresh = blocks_for(s.length + n) - have;
       ensure_capacity(s, have + fresh);
       const std::uint32_t tail = s.length % B() != 0 ? s.blocks.back() : block_ledger::no_block;
@@ -231,7 +231,7 @@ struct paged_book {
       if (!g.ok) {
         s.blocks.resize(have);
         return fail(errc::pool_exhausted, "reserve: block pool exhausted",
-                    {{"needed", clamp_ll(g.needed)}, {"free", clamp_ll(g.available)}, {"tokens", clamp_ll(n)}});
+                    {{"needed", clamped(g.needed)}, {"free", clamped(g.available)}, {"tokens", clamped(n)}});
       }
       if (g.copy) {
         const result<void> copied = copy_block(tail, copy);
@@ -320,8 +320,9 @@ struct paged_book {
     return {};
   }
 
-  /// fork (n = src's length, what = "fork") or copy_prefix.
-  [[nodiscard]] result<seq_id> copy_prefix(seq_id src_id, std::size_t n, bool whole, const char* what) {
+  /// copy_prefix(src, n), or fork(src) where `whole` (n is then src's length).
+  [[nodiscard]] result<seq_id> copy_prefix(seq_id src_id, std::size_t n, bool whole) {
+    const char* what = whole ? "fork" : "copy_prefix";
     result<std::uint32_t> src_slot = ids.slot(src_id, whole ? "fork: unknown sequence" : "copy_prefix: unknown sequence");
     KVCACHE_TRY(src_slot);
     {
@@ -329,8 +330,8 @@ struct paged_book {
       if (whole) n = src.length;
       if (src.reserved)
         return fail(errc::reservation_pending, what,
-                    {{"seq", static_cast<long long>(src_id.value)}, {"pending", clamp_ll(src.pending)}});
-      if (n > src.length) return fail(errc::out_of_range, what, {{"n", clamp_ll(n)}, {"length", clamp_ll(src.length)}});
+                    {{"seq", static_cast<long long>(src_id.value)}, {"pending", clamped(src.pending)}});
+      if (n > src.length) return fail(errc::out_of_range, what, {{"n", clamped(n)}, {"length", clamped(src.length)}});
     }
     result<seq_id> id = ids.acquire();
     KVCACHE_TRY(id);
@@ -385,16 +386,16 @@ struct paged_book {
     if (batch.size() >= std::numeric_limits<std::uint32_t>::max() ||
         total > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
       return fail(errc::overflow, "export_block_tables: batch too large for int32 CSR",
-                  {{"sequences", clamp_ll(batch.size())}, {"blocks", clamp_ll(total)}});
+                  {{"sequences", clamped(batch.size())}, {"blocks", clamped(total)}});
     if (indptr.size() < batch.size() + 1)
       return fail(errc::bad_shape, "export_block_tables: indptr buffer too small",
-                  {{"needed", clamp_ll(batch.size() + 1)}, {"got", clamp_ll(indptr.size())}});
+                  {{"needed", clamped(batch.size() + 1)}, {"got", clamped(indptr.size())}});
     if (indices.size() < total)
       return fail(errc::bad_shape, "export_block_tables: indices buffer too small",
-                  {{"needed", clamp_ll(total)}, {"got", clamp_ll(indices.size())}});
+                  {{"needed", clamped(total)}, {"got", clamped(indices.size())}});
     if (last_block_len.size() < batch.size())
       return fail(errc::bad_shape, "export_block_tables: last_block_len buffer too small",
-                  {{"needed", clamp_ll(batch.size())}, {"got", clamp_ll(last_block_len.size())}});
+                  {{"needed", clamped(batch.size())}, {"got", clamped(last_block_len.size())}});
     std::size_t at = 0;
     indptr[0] = 0;
     for (std::size_t i = 0; i < batch.size(); ++i) {
@@ -464,16 +465,12 @@ struct paged_book {
   [[nodiscard]] static result<void> check_limits(std::size_t max_sequences, std::size_t expected_tokens, const Pool& p) {
     if (max_sequences > std::numeric_limits<std::uint32_t>::max())
       return fail(errc::invalid_argument, "paged_config.max_sequences must be < 2^32",
-                  {{"max_sequences", clamp_ll(max_sequences)}});
+                  {{"max_sequences", clamped(max_sequences)}});
     const std::size_t pool_tokens = static_cast<std::size_t>(p.blocks()) * p.block_tokens();
     if (expected_tokens > pool_tokens)
       return fail(errc::invalid_argument, "paged_config.expected_tokens exceeds the pool's tokens",
-                  {{"expected_tokens", clamp_ll(expected_tokens)}, {"pool_tokens", clamp_ll(pool_tokens)}});
+                  {{"expected_tokens", clamped(expected_tokens)}, {"pool_tokens", clamped(pool_tokens)}});
     return {};
-  }
-
-  static long long clamp_ll(std::size_t x) noexcept {
-    return static_cast<long long>(std::min<std::size_t>(x, std::numeric_limits<long long>::max()));
   }
 
   // Block-table entries of the committed tokens of `batch`, or unknown_sequence naming the first
@@ -666,14 +663,14 @@ class paged_cache<cpu> {
   [[nodiscard]] result<void> truncate(seq_id id, std::size_t n) { return book_.truncate(id, n); }
 
   /// A new sequence sharing all of src's committed tokens (see copy_prefix).
-  [[nodiscard]] result<seq_id> fork(seq_id src) { return book_.copy_prefix(src, 0, true, "fork"); }
+  [[nodiscard]] result<seq_id> fork(seq_id src) { return book_.copy_prefix(src, 0, true); }
 
   /// A new sequence holding src's first n tokens by sharing src's blocks (reference counts, no
   /// copy). The first write of either sequence into a shared partial block copies it; full
   /// blocks stay shared. Errors: unknown_sequence; reservation_pending if src has an open
   /// reservation; out_of_range if n > src's length; capacity_exceeded when max_sequences are live.
   [[nodiscard]] result<seq_id> copy_prefix(seq_id src, std::size_t n) {
-    return book_.copy_prefix(src, n, false, "copy_prefix");
+    return book_.copy_prefix(src, n, false);
   }
 
   /// Releases a sequence (an open reservation is dropped): its blocks go back to the pool, last

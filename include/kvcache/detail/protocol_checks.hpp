@@ -13,6 +13,12 @@
 
 namespace kvcache::detail {
 
+/// A size as an error message's named value: clamped to the largest long long (a larger size_t
+/// would otherwise print as a negative number).
+[[nodiscard]] constexpr long long clamped(std::size_t x) noexcept {
+  return static_cast<long long>(std::min<std::size_t>(x, std::numeric_limits<long long>::max()));
+}
+
 /// Checks that write(id, layer, ...) has a layer of the geometry and an open reservation.
 [[nodiscard]] inline result<void> check_write_target(const geometry& g, seq_id id, std::uint32_t layer, bool reserved) {
   if (layer >= g.layers)
@@ -63,7 +69,7 @@ template <class Written>
                 {{"seq", static_cast<long long>(id.value)}, {"pending", static_cast<long long>(pending)}});
   if (n > length)
     return fail(errc::out_of_range, "truncate: count past the sequence length",
-                {{"n", static_cast<long long>(std::min<std::size_t>(n, std::numeric_limits<long long>::max()))},
+                {{"n", clamped(n)},
                  {"length", static_cast<long long>(length)}});
   return {};
 }
