@@ -678,6 +678,230 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
   write_block_state(bw, D, &sm.u.merge.m[0][0], &sm.u.merge.l[0][0], G, &sm.u.merge.acc[0][0][0], D);
 }
 
+// ---- tensor-core path: f16 keys and values, head_dim 64 or 128 -------------------------------
+//
+// attend_tc: one block per (sequence, kv head, group of up to 8 query heads, split), like
+// attend_dense, but the dot products run on the tensor cores (mma.sync m16n8k16, f16 inputs, f32
+// accumulators), so a warp step of 16 tokens costs a few dozen instructions instead of the
+// hundreds of scalar FMAs, conversions and shuffles of attend_dense (which, on an H200, bound
+// it at about 0.74 of the copy bandwidth). Each warp takes steps of 16 tokens (T0 + 0..15):
+//   scores S^T = K Q^T: A = the 16 key rows (m = token), B = the query heads (n = head, zero past
+//     the group), k = channels in an order of our choosing (a dot product does not care), chosen
+//     so that lane (g, t) = (lane / 4, lane % 4) loads its A fragments straight from memory: 16
+//     bytes at channel 32 j + 8 t of rows g and g + 8, for each j < D / 32; the query's fragments
+//     follow the same order and stay in registers for the whole split;
+//   the query in f16 would cost 11 bits of its precision: it is split into q_hi + q_lo (both f16,
+//     q_lo = q - q_hi), each a B operand, and scaled per head by a power of two so that its largest
+//     element lies in [2^14, 2^15) (any f32 query fits; the scale is undone on the scores);
+//   online softmax on the accumulators: lane (g, t) holds the scores of tokens g and g + 8 for
+//     heads 2t and 2t + 1; the maximum over the step's tokens is three xor shuffles;
+//   outputs O^T += V^T P^T: A = V^T (m = channel, k = token), B = the weights (k = token, n = head)
+//     as p_hi + p_lo (two f16 each, as the query); channels in an order that lets lane (g, t) load
+//     16 bytes at channel 64 h + 8 g of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and pair the halves of
+//     two tokens with byte permutes; the weights reach the B layout by four shuffles (each lane
+//     holds two heads of two tokens; B wants four tokens of one head);
+//   lane (g, t) accumulates channels 64 h + 8 g + 2 w (+ 1) of heads 2t and 2t + 1: no reduction
+//     over lanes; the row sums l are per lane and summed over g at the end.
+// Rows past the split clamp to its last token (loaded, then masked to weight 0). The warps merge
+// in shared memory into the same partial state as attend_partial's, for attend_merge.
+
+/// d += A B for one m16n8k16 tile: A (16 x 16, row-major) in four f16x2 registers, B (16 x 8) in
+/// two, f32 accumulators (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
+__device__ __forceinline__ void mma_f16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif !defined(__CUDACC__)
+  kvcache_emu::mma_m16n8k16(d, a, b0, b1);  // the CPU emulation (tests/cuda/emulator.hpp)
+#endif
+}
+
+/// x and y rounded to f16 (to nearest even), x in the low half; and the parts they lost.
+struct f16_pair {
+  std::uint32_t hi, lo;
+};
+__device__ __forceinline__ f16_pair split_f16x2(float x, float y) {
+#if defined(__CUDA_ARCH__)
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 back = __half22float2(h);
+  const __half2 r = __floats2half2_rn(x - back.x, y - back.y);
+  return {*reinterpret_cast<const std::uint32_t*>(&h), *reinterpret_cast<const std::uint32_t*>(&r)};
+#else
+  const std::uint16_t hx = detail::f2h(x), hy = detail::f2h(y);
+  const std::uint16_t lx = detail::f2h(x - detail::h2f(hx)), ly = detail::f2h(y - detail::h2f(hy));
+  return {hx | static_cast<std::uint32_t>(hy) << 16, lx | static_cast<std::uint32_t>(ly) << 16};
+#endif
+}
+
+template <std::uint32_t D>
+struct tc_shared {
+  float acc[kWarps][kMaxG][D];
+  float m[kWarps][kMaxG];
+  float l[kWarps][kMaxG];
+};
+
+template <std::uint32_t D>
+__global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint32_t seg, std::uint32_t split_base,
+                                                      std::uint32_t total_splits, float score_scale) {
+  static_assert(D == 64 || D == 128);
+  constexpr std::uint32_t KJ = D / 32;  // 16-byte key loads per row and lane (two k-steps each)
+  constexpr std::uint32_t VH = D / 64;  // 16-byte value loads per token and lane (four m-tiles each)
+  constexpr std::uint32_t MT = D / 16;  // m-tiles of the outputs
+  constexpr std::uint32_t RB = D * 2;   // bytes of a row
+  __shared__ tc_shared<D> sm;
+  const std::uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::uint32_t g = lane / 4, t = lane % 4;
+  const device_pages& pg = p.pages[seg];
+  const block_work bw = work_of(p, seg, split_base, total_splits, kMaxG, pg.page_tokens);
+  if (empty_split(bw)) return;
+  const std::uint32_t t_begin = bw.t_begin, t_end = bw.t_end;
+  const seq_pages sp = bw.sp;
+
+  // Query head g of the group (zero past it): channels 32 j + 8 t .. + 7, scaled by 2^e so that
+  // the head's largest |element| lies in [2^14, 2^15), as q_hi + q_lo pairs of f16.
+  float qf[KJ][8];
+  float big = 0.0f;
+#pragma unroll
+  for (std::uint32_t j = 0; j < KJ; ++j)
+#pragma unroll
+    for (std::uint32_t i = 0; i < 8; ++i) {
+      qf[j][i] = g < bw.ng ? p.q[(static_cast<std::size_t>(bw.b) * p.q_heads + bw.qh0 + g) * D + 32 * j + 8 * t + i] * score_scale : 0.0f;
+      big = fmaxf(big, fabsf(qf[j][i]));
+    }
+  big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 1));
+  big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 2));
+  // e = 14 - floor(log2 big), within [-126, 126] (big = 0, or not finite: e = 0, the scores keep
+  // whatever the query makes of them).
+  int e = 0;
+  if (big > 0.0f && big <= 3.4e38f) {
+    const int ex = static_cast<int>((__float_as_uint(big) >> 23) & 0xffu) - 127;
+    e = 14 - ex < -126 ? -126 : 14 - ex > 126 ? 126 : 14 - ex;
+  }
+  const float up = __uint_as_float(static_cast<std::uint32_t>(127 + e) << 23);
+  std::uint32_t qh[KJ][4], ql[KJ][4];
+#pragma unroll
+  for (std::uint32_t j = 0; j < KJ; ++j)
+#pragma unroll
+    for (std::uint32_t w = 0; w < 4; ++w) {
+      const f16_pair pr = split_f16x2(qf[j][2 * w] * up, qf[j][2 * w + 1] * up);
+      qh[j][w] = pr.hi;
+      ql[j][w] = pr.lo;
+    }
+  // The scale to undo on the scores of heads 2t and 2t + 1 (held by lanes 8t and 8t + 4).
+  const float down_g = __uint_as_float(static_cast<std::uint32_t>(127 - e) << 23);
+  const float down[2] = {__shfl_sync(0xffffffffu, down_g, 8 * t), __shfl_sync(0xffffffffu, down_g, 8 * t + 4)};
+
+  // Token u lies in page sp.pages[u / page_tokens], slot u % page_tokens (shift and mask for a
+  // power-of-two page, the common case).
+  const std::uint32_t pt = pg.page_tokens;
+  std::uint32_t shift = 0;
+  while ((1u << shift) < pt) ++shift;
+  const bool pow2 = (1u << shift) == pt;
+  auto row_of = [&](const void* base, std::uint64_t page_stride, std::uint64_t head_stride, std::uint32_t u) {
+    const std::uint32_t page = sp.pages[pow2 ? u >> shift : u / pt];
+    const std::size_t slot = pow2 ? u & (pt - 1) : u % pt;
+    return static_cast<const std::byte*>(base) + page * page_stride + bw.kvh * head_stride + slot * RB;
+  };
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[MT][4];
+#pragma unroll
+  for (std::uint32_t i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const std::uint32_t sel = (g & 1u) ? 0x7632u : 0x5410u;  // the half of head g in a shuffled pair
+  const std::uint32_t src = 8 * t + g / 2;                 // lane holding token 2t of heads g & ~1, g | 1
+
+  for (std::uint32_t t0 = t_begin + warp * 16; t0 < t_end; t0 += kWarps * 16) {
+    uint4 kr[2][KJ], vr[4][VH];
+#pragma unroll
+    for (std::uint32_t r = 0; r < 2; ++r) {
+      const std::byte* row = row_of(pg.k, pg.k_page_stride, pg.k_head_stride, min(t0 + g + 8 * r, t_end - 1)) + 16 * t;
+#pragma unroll
+      for (std::uint32_t j = 0; j < KJ; ++j) kr[r][j] = *reinterpret_cast<const uint4*>(row + 64 * j);
+    }
+#pragma unroll
+    for (std::uint32_t u = 0; u < 4; ++u) {
+      const std::uint32_t tok = t0 + 2 * t + (u & 1u) + 8 * (u / 2);
+      const std::byte* row = row_of(pg.v, pg.v_page_stride, pg.v_head_stride, min(tok, t_end - 1)) + 16 * g;
+#pragma unroll
+      for (std::uint32_t h = 0; h < VH; ++h) vr[u][h] = *reinterpret_cast<const uint4*>(row + 128 * h);
+    }
+
+    // Scores: s[0], s[1] = token g, heads 2t, 2t + 1; s[2], s[3] = token g + 8.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (std::uint32_t j = 0; j < KJ; ++j) {
+      const std::uint32_t a0[4] = {kr[0][j].x, kr[1][j].x, kr[0][j].y, kr[1][j].y};
+      mma_f16(s, a0, qh[j][0], qh[j][1]);
+      mma_f16(s, a0, ql[j][0], ql[j][1]);
+      const std::uint32_t a1[4] = {kr[0][j].z, kr[1][j].z, kr[0][j].w, kr[1][j].w};
+      mma_f16(s, a1, qh[j][2], qh[j][3]);
+      mma_f16(s, a1, ql[j][2], ql[j][3]);
+    }
+    const bool live0 = t0 + g < t_end, live1 = t0 + g + 8 < t_end;
+    float pw[4];
+#pragma unroll
+    for (std::uint32_t c = 0; c < 2; ++c) {
+      const float s0 = live0 ? s[c] * down[c] : -INFINITY, s1 = live1 ? s[2 + c] * down[c] : -INFINITY;
+      float mx = fmaxf(s0, s1);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m[c], mx);  // token t0 is live: finite
+      const float alpha = exp2f(m[c] - m_new);
+      pw[c] = exp2f(s0 - m_new);
+      pw[2 + c] = exp2f(s1 - m_new);
+      l[c] = l[c] * alpha + pw[c] + pw[2 + c];
+      m[c] = m_new;
+#pragma unroll
+      for (std::uint32_t i = 0; i < MT; ++i) {
+        acc[i][c] *= alpha;
+        acc[i][2 + c] *= alpha;
+      }
+    }
+    // The weights as B fragments: b[0] = head g, tokens 2t, 2t + 1; b[1] = tokens 2t + 8, 2t + 9.
+    const f16_pair p01 = split_f16x2(pw[0], pw[1]), p23 = split_f16x2(pw[2], pw[3]);
+    const std::uint32_t bh0 = __byte_perm(__shfl_sync(0xffffffffu, p01.hi, src), __shfl_sync(0xffffffffu, p01.hi, src + 4), sel);
+    const std::uint32_t bh1 = __byte_perm(__shfl_sync(0xffffffffu, p23.hi, src), __shfl_sync(0xffffffffu, p23.hi, src + 4), sel);
+    const std::uint32_t bl0 = __byte_perm(__shfl_sync(0xffffffffu, p01.lo, src), __shfl_sync(0xffffffffu, p01.lo, src + 4), sel);
+    const std::uint32_t bl1 = __byte_perm(__shfl_sync(0xffffffffu, p23.lo, src), __shfl_sync(0xffffffffu, p23.lo, src + 4), sel);
+    // Values: m-tile 4h + w holds channels 64h + 8g + 2w (row g) and that + 1 (row g + 8).
+#pragma unroll
+    for (std::uint32_t h = 0; h < VH; ++h) {
+      const std::uint32_t w0[4] = {vr[0][h].x, vr[0][h].y, vr[0][h].z, vr[0][h].w};
+      const std::uint32_t w1[4] = {vr[1][h].x, vr[1][h].y, vr[1][h].z, vr[1][h].w};
+      const std::uint32_t w2[4] = {vr[2][h].x, vr[2][h].y, vr[2][h].z, vr[2][h].w};
+      const std::uint32_t w3[4] = {vr[3][h].x, vr[3][h].y, vr[3][h].z, vr[3][h].w};
+#pragma unroll
+      for (std::uint32_t w = 0; w < 4; ++w) {
+        const std::uint32_t a[4] = {__byte_perm(w0[w], w1[w], 0x5410u), __byte_perm(w0[w], w1[w], 0x7632u),
+                                    __byte_perm(w2[w], w3[w], 0x5410u), __byte_perm(w2[w], w3[w], 0x7632u)};
+        mma_f16(acc[4 * h + w], a, bh0, bh1);
+        mma_f16(acc[4 * h + w], a, bl0, bl1);
+      }
+    }
+  }
+
+  // Row sums over the lanes of a head (g); then the warps merge in shared memory.
+#pragma unroll
+  for (std::uint32_t c = 0; c < 2; ++c)
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], o);
+#pragma unroll
+  for (std::uint32_t h = 0; h < VH; ++h)
+#pragma unroll
+    for (std::uint32_t w = 0; w < 4; ++w)
+#pragma unroll
+      for (std::uint32_t i = 0; i < 4; ++i) sm.acc[warp][2 * t + i % 2][64 * h + 8 * g + 2 * w + i / 2] = acc[4 * h + w][i];
+  if (g == 0)
+#pragma unroll
+    for (std::uint32_t c = 0; c < 2; ++c) {
+      sm.m[warp][2 * t + c] = m[c];
+      sm.l[warp][2 * t + c] = l[c];
+    }
+  __syncthreads();
+  write_block_state(bw, D, &sm.m[0][0], &sm.l[0][0], kMaxG, &sm.acc[0][0][0], D);
+}
+
 // ---- Q4 fast path: Q4 keys and values, head_dim 64, 128 or 256 (B = head_dim / 32 columns) ----
 //
 // attend_q4: the block layout of attend_partial (one page, 32 tokens, per warp step), but the
@@ -924,6 +1148,7 @@ partial_fn pick_dense_l(std::uint32_t D, std::uint32_t gqa) {
   if (D == 128) return pick_dense_g<F, 16>(gqa);
   return pick_dense_g<F, 32>(gqa);
 }
+partial_fn pick_tc(std::uint32_t D) { return D == 64 ? attend_tc<64> : attend_tc<128>; }
 partial_fn pick_dense(format f, std::uint32_t D, std::uint32_t gqa) {
   return f == format::f32 ? pick_dense_l<format::f32>(D, gqa) : pick_dense_l<format::f16>(D, gqa);
 }
@@ -960,6 +1185,11 @@ bool dense_fast_path(const attend_params& p, std::uint32_t s) {
   return (bits & 15u) == 0;
 }
 
+/// Whether segment s takes attend_tc: attend_dense's conditions, with f16 keys and values and
+/// head_dim 64 or 128 (256 would need twice its registers).
+bool tc_path(const attend_params& p, std::uint32_t s) {
+  return dense_fast_path(p, s) && p.pages[s].k_format == format::f16 && (p.head_dim == 64 || p.head_dim == 128);
+}
 
 /// Host-side validation of cuda_attend's parameters (no CUDA call).
 inline result<void> validate_attend(const attend_params& p) {
@@ -1029,7 +1259,8 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
   std::uint32_t base = 0;
   for (std::uint32_t s = 0; s < p.segments; ++s) {
     const std::uint32_t gqa_s = p.q_heads / p.kv_heads;
-    const partial_fn fn = dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, gqa_s)
+    const partial_fn fn = tc_path(p, s)           ? pick_tc(p.head_dim)
+                          : dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, gqa_s)
                           : q4_fast_path(p, s)  ? pick_q4(p.head_dim, gqa_s)
                                                 : pick(p.pages[s].k_format, p.pages[s].v_format);
     KVCACHE_TRY(launch(fn, dim3(p.batch, grid_y, p.max_splits[s]), dim3(kThreads), p, s, base, total, scale));

@@ -75,6 +75,7 @@ struct block_context {
   barrier block;
   std::vector<barrier> warp;
   std::vector<std::uint64_t> exchange;  // [warp][lane] one shuffled value
+  std::vector<std::uint32_t> fragments;  // [warp][lane][6] the operands of a warp's mma (A, B)
   void (*body)(void*) = nullptr;        // runs the kernel for the current threadIdx / blockIdx
   void* body_arg = nullptr;
 };
@@ -153,6 +154,42 @@ T shuffle(T v, unsigned src_lane) {
 }
 }  // namespace kvcache_emu
 
+namespace kvcache_emu {
+/// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 of the calling warp, d += A B: each lane
+/// publishes its fragments (A 16x16 row-major in a[0..3], B 16x8 in b0, b1: two f16 per register,
+/// the lower-indexed element in the low half), then computes its own four accumulators (rows
+/// lane / 4 and lane / 4 + 8, columns 2 (lane % 4) and 2 (lane % 4) + 1), per the PTX ISA's
+/// "Matrix Fragments for mma.m16n8k16 with floating point type". The products of two halves are
+/// exact in float; they are summed in double and added to d once (the hardware's rounding of the
+/// sum may differ in the last bit).
+inline void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  block_context& c = *current;
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  std::uint32_t* mine = &c.fragments[(warp * 32 + lane) * 6];
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  arrive_and_wait(c.warp[warp]);
+  const std::uint32_t* all = &c.fragments[warp * 32 * 6];
+  auto half_of = [](std::uint32_t reg, unsigned k) {
+    return static_cast<double>(kvcache::f16_bits_to_f32(static_cast<std::uint16_t>(reg >> (16 * (k & 1u)))));
+  };
+  const unsigned g = lane / 4, t = lane % 4;
+  for (unsigned i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+    double sum = 0.0;
+    for (unsigned k = 0; k < 16; ++k) {
+      const unsigned src = (k % 8) / 2;  // threadID_in_group holding column (A) or row (B) k
+      const std::uint32_t areg = all[(4 * (row % 8) + src) * 6 + (row / 8) + 2 * (k / 8)];
+      const std::uint32_t breg = all[(4 * col + src) * 6 + 4 + k / 8];
+      sum += half_of(areg, k) * half_of(breg, k);
+    }
+    d[i] = static_cast<float>(static_cast<double>(d[i]) + sum);
+  }
+  arrive_and_wait(c.warp[warp]);  // nobody overwrites the fragments before everyone has read
+}
+}  // namespace kvcache_emu
+
 template <class T>
 T __shfl_sync(unsigned, T v, unsigned src_lane) {
   return kvcache_emu::shuffle(v, src_lane);
@@ -200,6 +237,11 @@ inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
 }
 
 namespace kvcache_emu {
@@ -286,6 +328,7 @@ Result launch(K kernel, dim3 grid, dim3 block, A... args) {
   c.warp.resize(warps);
   for (unsigned w = 0; w < warps; ++w) c.warp[w].count = std::min(32u, threads - 32 * w);
   c.exchange.resize(static_cast<std::size_t>(warps) * 32);
+  c.fragments.resize(static_cast<std::size_t>(warps) * 32 * 6);
   auto body = [&] { kernel(args...); };
   c.body = [](void* b) { (*static_cast<decltype(body)*>(b))(); };
   c.body_arg = &body;

@@ -36,6 +36,7 @@ struct attend_case {
   bool two_segments;
   std::uint32_t split_tokens;
   std::vector<std::uint32_t> lens;
+  float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
 };
 
 TEST(cuda_emulated, attend_kernels_match_float64_reference) {
@@ -51,13 +52,20 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {6, 3, 96, format::f16, format::q4, 32, false, 64, {95, 96, 97}},
       {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
       {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
-      // attend_dense (f16 or f32 keys and values, head_dim 64, 128, 256): steps of 8 (f16, 128),
-      // 16 (f16, 64), 4 (f32, 64) and 2 (f32, 256) tokens, ragged at both ends of a split
+      // attend_tc (f16 keys and values, head_dim 64 or 128): steps of 16 tokens, ragged at both
+      // ends of a split; queries of any magnitude (each head scaled by a power of two into f16)
       {8, 2, 128, format::f16, format::f16, 16, false, 64, {1, 8, 9, 17, 90}},
       {4, 4, 64, format::f16, format::f16, 16, false, 32, {15, 16, 50}},  // gqa 1
-      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},         // gqa 3: a zero fourth query head
       {24, 2, 128, format::f16, format::f16, 24, false, 64, {70, 33}},     // gqa 12: two groups; page 24 divides
+      {6, 2, 64, format::f16, format::f16, 5, false, 32, {47, 3}},         // gqa 3, pages of 5 tokens
+      {8, 1, 128, format::f16, format::f16, 16, false, 64, {40}, 1e-30f},  // tiny: uniform weights, no NaN from the head scale
+      {8, 1, 128, format::f16, format::f16, 16, false, 64, {40}, 1e30f},   // far above it: one token wins
+      {4, 1, 64, format::f16, format::f16, 16, false, 32, {40}, 300.0f},   // peaked softmax
+      // attend_dense (f32, and f16 of head_dim 256): steps of 4 (f32, 64), 2 (f32, 256) and 4
+      // (f16, 256) tokens
+      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},  // gqa 3: a zero fourth query head
       {2, 1, 256, format::f32, format::f32, 16, false, 32, {45}},
+      {4, 1, 256, format::f16, format::f16, 16, false, 32, {37}},
       // attend_q4 (q4 keys and values, head_dim 64, 128, 256); {8, 2, 64} above is one too
       {4, 1, 128, format::q4, format::q4, 32, true, 32, {129, 64}},   // then an f16 tail (attend_dense)
       {16, 2, 256, format::q4, format::q4, 32, false, 64, {40, 96}},  // gqa 8
@@ -82,7 +90,8 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       for (auto& t : tail) t = r.between(0, 40);
       segs.push_back(make_segment(r, format::f16, format::f16, 32, tail, c.kv_heads, c.head_dim));
     }
-    const std::vector<float> q = r.floats(static_cast<std::size_t>(batch) * c.q_heads * c.head_dim);
+    std::vector<float> q = r.floats(static_cast<std::size_t>(batch) * c.q_heads * c.head_dim);
+    for (float& x : q) x *= c.q_scale;
     kvcache::attend_params p;
     p.segments = static_cast<std::uint32_t>(segs.size());
     p.batch = batch;

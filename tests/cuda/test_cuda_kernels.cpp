@@ -256,6 +256,7 @@ struct attend_case {
   bool two_segments;  // a second f16 segment of 16-token pages follows (the two-tier shape)
   std::uint32_t split_tokens;
   std::vector<std::uint32_t> lens;
+  float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
 };
 
 void run_attend(const attend_case& c) {
@@ -272,6 +273,7 @@ void run_attend(const attend_case& c) {
   }
   const std::size_t qn = static_cast<std::size_t>(batch) * c.q_heads * c.head_dim;
   std::vector<float> q = r.floats(qn);
+  for (float& x : q) x *= c.q_scale;
 
   kvcache::attend_params p;
   p.segments = static_cast<std::uint32_t>(segs.size());
@@ -368,13 +370,20 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {4, 2, 30, format::q4, format::q4, 32, true, 32, {70, 3}},  // key channels padded to 32, a partial value column
       {2, 2, 1, format::q4, format::q4, 32, false, 64, {33, 64}},  // one channel: three padding key channels
       {8, 1, 250, format::q4, format::q4, 32, false, 128, {400}},  // 8 value columns, the last partial
-      // attend_dense (f16 or f32 keys and values, head_dim 64, 128, 256): ragged steps and splits
+      // attend_tc (f16 keys and values, head_dim 64 or 128): ragged steps and splits, queries of
+      // any magnitude
       {32, 8, 128, format::f16, format::f16, 16, false, 256, {1, 8, 9, 16, 17, 31, 33, 1000, 4099}},
       {4, 4, 64, format::f16, format::f16, 16, false, 64, {5, 200, 16}},    // gqa 1
-      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3, 1024}},    // gqa 3: a zero fourth query head
       {24, 2, 128, format::f16, format::f16, 24, false, 128, {300, 77}},    // gqa 12: two groups; page 24 divides
-      {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},
       {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}},  // contiguous-like, gqa 8
+      {6, 2, 64, format::f16, format::f16, 5, false, 64, {47, 3, 1024}},   // gqa 3, pages of 5 tokens
+      {8, 1, 128, format::f16, format::f16, 16, false, 64, {40, 300}, 1e-30f},  // tiny: uniform weights, no NaN from the head scale
+      {8, 1, 128, format::f16, format::f16, 16, false, 64, {40, 300}, 1e30f},   // far above it: one token wins
+      {4, 1, 64, format::f16, format::f16, 16, false, 64, {40, 300}, 300.0f},   // peaked softmax
+      // attend_dense (f32 keys and values, and f16 of head_dim 256)
+      {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3, 1024}},    // gqa 3: a zero fourth query head
+      {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},
+      {4, 1, 256, format::f16, format::f16, 16, false, 64, {37, 700}},
       // attend_q4 (q4 keys and values, head_dim 64, 128, 256)
       {32, 8, 128, format::q4, format::q4, 32, true, 256, {1, 31, 32, 33, 1000, 4099}},  // then an f16 tail
       {16, 2, 256, format::q4, format::q4, 32, false, 128, {700, 64}},  // gqa 8
