@@ -741,7 +741,17 @@ struct tc_shared {
   float l[kWarps][kMaxG];
 };
 
-template <std::uint32_t D>
+/// Asks L2 for the 128-byte line at p (no register, no wait). The CPU emulation reads a byte of
+/// it instead, so that the address sanitizer checks it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#elif !defined(__CUDACC__)
+  (void)*static_cast<const volatile std::byte*>(p);
+#endif
+}
+
+template <std::uint32_t D, std::uint32_t AHEAD>
 __global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint32_t seg, std::uint32_t split_base,
                                                       std::uint32_t total_splits, float score_scale) {
   static_assert(D == 64 || D == 128);
@@ -757,6 +767,30 @@ __global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint
   if (empty_split(bw)) return;
   const std::uint32_t t_begin = bw.t_begin, t_end = bw.t_end;
   const seq_pages sp = bw.sp;
+
+  // Token u lies in page sp.pages[u / page_tokens], slot u % page_tokens (shift and mask for a
+  // power-of-two page, the common case).
+  const std::uint32_t pt = pg.page_tokens;
+  std::uint32_t shift = 0;
+  while ((1u << shift) < pt) ++shift;
+  const bool pow2 = (1u << shift) == pt;
+  auto row_of = [&](const void* base, std::uint64_t page_stride, std::uint64_t head_stride, std::uint32_t u) {
+    const std::uint32_t page = sp.pages[pow2 ? u >> shift : u / pt];
+    const std::size_t slot = pow2 ? u & (pt - 1) : u % pt;
+    return static_cast<const std::byte*>(base) + page * page_stride + bw.kvh * head_stride + slot * RB;
+  };
+
+  // Prefetch (into L2) the 16 key and value rows of the warp's step at token ta: lane / 2 is the
+  // row, lane % 2 its half. The first AHEAD steps go before the query's set-up.
+  auto prefetch_step = [&](std::uint32_t ta) {
+    if (ta >= t_end) return;
+    const std::uint32_t u = min(ta + lane / 2, t_end - 1);
+    prefetch_l2(row_of(pg.k, pg.k_page_stride, pg.k_head_stride, u) + (RB / 2) * (lane & 1u));
+    prefetch_l2(row_of(pg.v, pg.v_page_stride, pg.v_head_stride, u) + (RB / 2) * (lane & 1u));
+  };
+  if constexpr (AHEAD > 0)
+#pragma unroll
+    for (std::uint32_t a = 0; a < AHEAD; ++a) prefetch_step(t_begin + (warp + a * kWarps) * 16);
 
   // Query head g of the group (zero past it): channels 32 j + 8 t .. + 7, scaled by 2^e so that
   // the head's largest |element| lies in [2^14, 2^15), as q_hi + q_lo pairs of f16.
@@ -792,18 +826,6 @@ __global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint
   const float down_g = __uint_as_float(static_cast<std::uint32_t>(127 - e) << 23);
   const float down[2] = {__shfl_sync(0xffffffffu, down_g, 8 * t), __shfl_sync(0xffffffffu, down_g, 8 * t + 4)};
 
-  // Token u lies in page sp.pages[u / page_tokens], slot u % page_tokens (shift and mask for a
-  // power-of-two page, the common case).
-  const std::uint32_t pt = pg.page_tokens;
-  std::uint32_t shift = 0;
-  while ((1u << shift) < pt) ++shift;
-  const bool pow2 = (1u << shift) == pt;
-  auto row_of = [&](const void* base, std::uint64_t page_stride, std::uint64_t head_stride, std::uint32_t u) {
-    const std::uint32_t page = sp.pages[pow2 ? u >> shift : u / pt];
-    const std::size_t slot = pow2 ? u & (pt - 1) : u % pt;
-    return static_cast<const std::byte*>(base) + page * page_stride + bw.kvh * head_stride + slot * RB;
-  };
-
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[MT][4];
 #pragma unroll
   for (std::uint32_t i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
@@ -811,6 +833,7 @@ __global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint
   const std::uint32_t src = 8 * t + g / 2;                 // lane holding token 2t of heads g & ~1, g | 1
 
   for (std::uint32_t t0 = t_begin + warp * 16; t0 < t_end; t0 += kWarps * 16) {
+    if constexpr (AHEAD > 0) prefetch_step(t0 + AHEAD * kWarps * 16);
     uint4 kr[2][KJ], vr[4][VH];
 #pragma unroll
     for (std::uint32_t r = 0; r < 2; ++r) {
@@ -1148,7 +1171,17 @@ partial_fn pick_dense_l(std::uint32_t D, std::uint32_t gqa) {
   if (D == 128) return pick_dense_g<F, 16>(gqa);
   return pick_dense_g<F, 32>(gqa);
 }
-partial_fn pick_tc(std::uint32_t D) { return D == 64 ? attend_tc<64> : attend_tc<128>; }
+template <std::uint32_t D>
+partial_fn pick_tc_ahead(std::uint32_t ahead) {
+  switch (ahead) {
+    case 1: return attend_tc<D, 1>;
+    case 2: return attend_tc<D, 2>;
+    case 3: return attend_tc<D, 3>;
+    case 4: return attend_tc<D, 4>;
+    default: return attend_tc<D, 0>;
+  }
+}
+partial_fn pick_tc(std::uint32_t D, std::uint32_t ahead) { return D == 64 ? pick_tc_ahead<64>(ahead) : pick_tc_ahead<128>(ahead); }
 partial_fn pick_dense(format f, std::uint32_t D, std::uint32_t gqa) {
   return f == format::f32 ? pick_dense_l<format::f32>(D, gqa) : pick_dense_l<format::f16>(D, gqa);
 }
@@ -1207,6 +1240,8 @@ inline result<void> validate_attend(const attend_params& p) {
   if (p.split_tokens == 0 || p.split_tokens % 32 != 0)
     return fail(errc::invalid_argument, "cuda_attend: split_tokens must be a positive multiple of 32",
                 {{"split_tokens", p.split_tokens}});
+  if (p.prefetch_steps > 4)
+    return fail(errc::invalid_argument, "cuda_attend: prefetch_steps above 4", {{"prefetch_steps", p.prefetch_steps}});
   if (p.q == nullptr || p.out == nullptr || p.workspace == nullptr)
     return fail(errc::invalid_argument, "cuda_attend: null q, out or workspace");
   const std::uint32_t gqa = p.q_heads / p.kv_heads;
@@ -1259,7 +1294,7 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
   std::uint32_t base = 0;
   for (std::uint32_t s = 0; s < p.segments; ++s) {
     const std::uint32_t gqa_s = p.q_heads / p.kv_heads;
-    const partial_fn fn = tc_path(p, s)           ? pick_tc(p.head_dim)
+    const partial_fn fn = tc_path(p, s)           ? pick_tc(p.head_dim, p.prefetch_steps)
                           : dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, gqa_s)
                           : q4_fast_path(p, s)  ? pick_q4(p.head_dim, gqa_s)
                                                 : pick(p.pages[s].k_format, p.pages[s].v_format);

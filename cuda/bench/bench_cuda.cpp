@@ -247,7 +247,8 @@ void BM_cuda_append(benchmark::State& state) {
 
 // range(0): tokens per sequence; range(1): batch; range(2): 0 contiguous f16, 1 paged f16
 // (16-token pages), 2 q4 (32-token pages, read in place); range(3): split_tokens (tokens per block),
-// 0 for the caches' automatic choice (cuda_auto_split_tokens; the counter `split` shows it).
+// 0 for the caches' automatic choice (cuda_auto_split_tokens; the counter `split` shows it);
+// range(4): attend_params::prefetch_steps (attend_tc's L2 prefetch distance, f16 only).
 void BM_cuda_attend(benchmark::State& state) {
   paged_fixture f;
   f.tokens = static_cast<std::uint32_t>(state.range(0));
@@ -274,6 +275,7 @@ void BM_cuda_attend(benchmark::State& state) {
     p.split_tokens = kvcache::cuda_auto_split_tokens(f.tokens, f.seqs, f.kv_heads, q_heads, sms);
   }
   state.counters["split"] = p.split_tokens;
+  p.prefetch_steps = static_cast<std::uint32_t>(state.range(4));
   p.max_splits[0] = (f.tokens + p.split_tokens - 1) / p.split_tokens;
   const std::size_t qn = static_cast<std::size_t>(f.seqs) * q_heads * f.head_dim;
   p.q = static_cast<const float*>(device_alloc(qn * 4));
@@ -299,8 +301,13 @@ void BM_cuda_attend(benchmark::State& state) {
 BENCHMARK(BM_cuda_memcpy_d2d)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
 BENCHMARK(BM_cuda_append)->ArgNames({"paged", "src_f16"})->ArgsProduct({{0, 1}, {0, 1}})->UseManualTime();
 BENCHMARK(BM_cuda_attend)
-    ->ArgNames({"tokens", "batch", "kind", "split"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {0, 128, 256, 512, 1024}})
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {0, 128, 256, 512, 1024}, {0}})
+    ->UseManualTime();
+// attend_tc's L2 prefetch distance, at the caches' split (prefetch:0 is in the sweep above).
+BENCHMARK(BM_cuda_attend)
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}, {0}, {1, 2, 3, 4}})
     ->UseManualTime();
 
 int main(int argc, char** argv) {

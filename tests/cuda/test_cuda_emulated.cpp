@@ -37,6 +37,7 @@ struct attend_case {
   std::uint32_t split_tokens;
   std::vector<std::uint32_t> lens;
   float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
+  std::uint32_t prefetch = 0;  // attend_params::prefetch_steps
 };
 
 TEST(cuda_emulated, attend_kernels_match_float64_reference) {
@@ -61,6 +62,11 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {8, 1, 128, format::f16, format::f16, 16, false, 64, {40}, 1e-30f},  // tiny: uniform weights, no NaN from the head scale
       {8, 1, 128, format::f16, format::f16, 16, false, 64, {40}, 1e30f},   // far above it: one token wins
       {4, 1, 64, format::f16, format::f16, 16, false, 32, {40}, 300.0f},   // peaked softmax
+      // ... asking L2 for 1 to 4 steps ahead (the emulation reads a byte of each line asked for)
+      {8, 2, 128, format::f16, format::f16, 16, false, 64, {1, 8, 9, 17, 90}, 1.0f, 1},
+      {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 200}, 1.0f, 2},
+      {8, 1, 128, format::f16, format::f16, 300, false, 256, {299, 130}, 1.0f, 4},
+      {4, 1, 128, format::q4, format::q4, 32, true, 32, {129, 64}, 1.0f, 3},  // the f16 tail
       // attend_dense (f32, and f16 of head_dim 256): steps of 4 (f32, 64), 2 (f32, 256) and 4
       // (f16, 256) tokens
       {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},  // gqa 3: a zero fourth query head
@@ -99,6 +105,7 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
     p.kv_heads = c.kv_heads;
     p.head_dim = c.head_dim;
     p.split_tokens = c.split_tokens;
+    p.prefetch_steps = c.prefetch;
     for (std::size_t s = 0; s < segs.size(); ++s) {
       kvcache::device_pages& pg = p.pages[s];
       pg.k = segs[s].k_pool.data();

@@ -257,6 +257,7 @@ struct attend_case {
   std::uint32_t split_tokens;
   std::vector<std::uint32_t> lens;
   float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
+  std::uint32_t prefetch = 0;  // attend_params::prefetch_steps
 };
 
 void run_attend(const attend_case& c) {
@@ -282,6 +283,7 @@ void run_attend(const attend_case& c) {
   p.kv_heads = c.kv_heads;
   p.head_dim = c.head_dim;
   p.split_tokens = c.split_tokens;
+  p.prefetch_steps = c.prefetch;
   std::vector<device_segment> dsegs(segs.size());
   for (std::size_t s = 0; s < segs.size(); ++s) {
     auto k = upload(where, segs[s].k_pool);
@@ -380,6 +382,11 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {8, 1, 128, format::f16, format::f16, 16, false, 64, {40, 300}, 1e-30f},  // tiny: uniform weights, no NaN from the head scale
       {8, 1, 128, format::f16, format::f16, 16, false, 64, {40, 300}, 1e30f},   // far above it: one token wins
       {4, 1, 64, format::f16, format::f16, 16, false, 64, {40, 300}, 300.0f},   // peaked softmax
+      // ... asking L2 for 1 to 4 steps ahead
+      {32, 8, 128, format::f16, format::f16, 16, false, 256, {1, 9, 17, 33, 1000, 4099}, 1.0f, 2},
+      {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 1024}, 1.0f, 1},
+      {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}, 1.0f, 4},
+      {32, 8, 128, format::q4, format::q4, 32, true, 256, {31, 1000}, 1.0f, 3},  // the f16 tail
       // attend_dense (f32 keys and values, and f16 of head_dim 256)
       {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3, 1024}},    // gqa 3: a zero fourth query head
       {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},

@@ -156,6 +156,7 @@ TEST(cuda_validation, attend_parameters) {
   expect_error(errc::invalid_argument, with([](auto& p) { p.q_heads = 7; }), "q_heads not a multiple");
   expect_error(errc::unsupported, with([](auto& p) { p.head_dim = kvcache::cuda_max_head_dim + 1; }), "head_dim");
   expect_error(errc::invalid_argument, with([](auto& p) { p.split_tokens = 48; }), "split_tokens");
+  expect_error(errc::invalid_argument, with([](auto& p) { p.prefetch_steps = 5; }), "prefetch_steps");
   expect_error(errc::invalid_argument, with([](auto& p) { p.workspace = nullptr; }), "workspace");
   expect_error(errc::unsupported, with([](auto& p) { p.pages[0].k_format = format::q4; }), "q4 with 16-token pages");
   expect_error(errc::invalid_argument, with([](auto& p) { p.tables[0].batch = 2; }), "table batch");

@@ -102,6 +102,10 @@ struct attend_params {
   float* out = nullptr;        ///< device [batch][q_heads][head_dim]; 0 for a sequence with no token
   float scale = 0.0f;          ///< score scale; 0 means 1 / sqrt(head_dim)
   std::uint32_t split_tokens = 512;  ///< tokens per split, multiple of 32
+  /// attend_tc only (f16 keys and values, head_dim 64 or 128): how many of its 16-token steps
+  /// ahead each warp asks L2 for (prefetch, no registers held), 0..4; 0: none. A tuning knob:
+  /// `BM_cuda_attend/.../prefetch:N` measures it (cuda/README.md).
+  std::uint32_t prefetch_steps = 0;
   /// Splits per segment: grid bound, fixed so a captured graph stays valid as sequences grow;
   /// must cover the longest sequence: max_splits * split_tokens >= tokens of any segment.
   std::uint32_t max_splits[2] = {1, 1};
