@@ -683,8 +683,9 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 // attend_tc: one block per (sequence, kv head, group of up to 8 query heads, split), like
 // attend_dense, but the dot products run on the tensor cores (mma.sync m16n8k16, f16 inputs, f32
 // accumulators), so a warp step of 16 tokens costs a few dozen instructions instead of the
-// hundreds of scalar FMAs, conversions and shuffles of attend_dense (which, on an H200, bound
-// it at about 0.74 of the copy bandwidth). Each warp takes steps of 16 tokens (T0 + 0..15):
+// hundreds of scalar FMAs, conversions and shuffles of attend_dense. (On an H200 that made it
+// only 1.00-1.06x faster: both read about 3.1 TB/s, 0.74 of the copy rate, at 32k x 8; the
+// instructions were not the bound. cuda/README.md.) Each warp takes steps of 16 tokens:
 //   scores S^T = K Q^T: A = the 16 key rows (m = token), B = the query heads (n = head, zero past
 //     the group), k = channels in an order of our choosing (a dot product does not care), chosen
 //     so that lane (g, t) = (lane / 4, lane % 4) loads its A fragments straight from memory: 16
