@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <span>
 #include <string>
@@ -334,7 +335,10 @@ TEST(two_tier_accuracy, stories260k_activations) {
   const llama2c::model& model = loaded.value();
   const llama2c::config& mc = model.cfg;
   const geometry g{mc.layers, mc.kv_heads, mc.head_size()};
-  constexpr std::size_t max_len = 4096;
+  // Under qemu (KVCACHE_TEST_EMULATED=1, scripts/cross_aarch64.sh) up to 1024 tokens: the forward
+  // pass to 4096 took 7 of that stage's minutes there; the x86 stages run every length.
+  const bool emulated = std::getenv("KVCACHE_TEST_EMULATED") != nullptr;
+  const std::size_t max_len = emulated ? 1024 : 4096;
   constexpr std::uint32_t seed = 260;
 
   // Run the model: sampled tokens (temperature 1, fixed seed) from BOS, the reference attention
@@ -372,6 +376,7 @@ TEST(two_tier_accuracy, stories260k_activations) {
     const seq_id id = c.create().value();
     std::size_t have = 0;
     for (std::size_t len : {256u, 1024u, 4096u}) {
+      if (len > max_len) continue;
       error_sums e;
       for (std::size_t j = 1; j <= 8; ++j) {
         const std::size_t at = len / 2 + j * len / 16;  // cache holds `at` tokens; query of at - 1
