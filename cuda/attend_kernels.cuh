@@ -53,6 +53,19 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 __device__ __forceinline__ float half_bits_to_float(std::uint16_t b) { return __half2float(__ushort_as_half(b)); }
 
+/// Token u of a segment lies in page u / page_tokens, slot u % page_tokens: a shift and a mask
+/// for a power-of-two page (the common case), a division otherwise.
+struct page_of_token {
+  std::uint32_t pt, shift = 0;
+  bool pow2;
+  __device__ explicit page_of_token(std::uint32_t page_tokens) : pt(page_tokens) {
+    while ((1u << shift) < pt) ++shift;
+    pow2 = (1u << shift) == pt;
+  }
+  __device__ std::uint32_t page(std::uint32_t u) const { return pow2 ? u >> shift : u / pt; }
+  __device__ std::uint32_t slot(std::uint32_t u) const { return pow2 ? u & (pt - 1) : u % pt; }
+};
+
 // Tokens of sequence b in a segment, and its page list.
 struct seq_pages {
   const std::uint32_t* pages;
@@ -524,12 +537,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
   const std::uint32_t b = bw.b, kvh = bw.kvh, ng = bw.ng, qh0 = bw.qh0, t_begin = bw.t_begin, t_end = bw.t_end;
   const seq_pages sp = bw.sp;
 
-  // Token t lies in page sp.pages[t / page_tokens], slot t % page_tokens (shift and mask for a
-  // power-of-two page, the common case).
-  const std::uint32_t pt = pg.page_tokens;
-  std::uint32_t shift = 0;
-  while ((1u << shift) < pt) ++shift;
-  const bool pow2 = (1u << shift) == pt;
+  const page_of_token pot(pg.page_tokens);
   const std::byte* k_base = static_cast<const std::byte*>(pg.k) + kvh * pg.k_head_stride + 8 * c * EB;
   const std::byte* v_base = static_cast<const std::byte*>(pg.v) + kvh * pg.v_head_stride + 8 * c * EB;
   const std::uint32_t stride = kWarps * TS;
@@ -543,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 #pragma unroll
     for (std::uint32_t u = 0; u < U; ++u) {
       const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
-      pages[u] = sp.pages[pow2 ? t >> shift : t / pt];
+      pages[u] = sp.pages[pot.page(t)];
     }
   };
   auto issue = [&](std::uint32_t i) {
@@ -554,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, G <= 4 ? 4 : 2) attend_dense(attend_
 #pragma unroll
       for (std::uint32_t u = 0; u < U; ++u) {
         const std::uint32_t t = min(t0 + u * R + r, t_end - 1);
-        const std::size_t slot = pow2 ? t & (pt - 1) : t % pt;
+        const std::size_t slot = pot.slot(t);
         const std::byte* kr = k_base + pages[u] * pg.k_page_stride + slot * (D * EB);
         const std::byte* vr = v_base + pages[u] * pg.v_page_stride + slot * (D * EB);
 #pragma unroll
@@ -769,16 +777,11 @@ __global__ void __launch_bounds__(kThreads) attend_tc(attend_params p, std::uint
   const std::uint32_t t_begin = bw.t_begin, t_end = bw.t_end;
   const seq_pages sp = bw.sp;
 
-  // Token u lies in page sp.pages[u / page_tokens], slot u % page_tokens (shift and mask for a
-  // power-of-two page, the common case).
-  const std::uint32_t pt = pg.page_tokens;
-  std::uint32_t shift = 0;
-  while ((1u << shift) < pt) ++shift;
-  const bool pow2 = (1u << shift) == pt;
+  // The row of token u (key or value pages).
+  const page_of_token pot(pg.page_tokens);
   auto row_of = [&](const void* base, std::uint64_t page_stride, std::uint64_t head_stride, std::uint32_t u) {
-    const std::uint32_t page = sp.pages[pow2 ? u >> shift : u / pt];
-    const std::size_t slot = pow2 ? u & (pt - 1) : u % pt;
-    return static_cast<const std::byte*>(base) + page * page_stride + bw.kvh * head_stride + slot * RB;
+    return static_cast<const std::byte*>(base) + sp.pages[pot.page(u)] * page_stride + bw.kvh * head_stride +
+           static_cast<std::size_t>(pot.slot(u)) * RB;
   };
 
   // Prefetch (into L2) the 16 key and value rows of the warp's step at token ta: lane / 2 is the

@@ -152,9 +152,7 @@ T shuffle(T v, unsigned src_lane) {
   arrive_and_wait(c.warp[warp]);  // nobody overwrites the buffer before everyone has read
   return r;
 }
-}  // namespace kvcache_emu
 
-namespace kvcache_emu {
 /// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 of the calling warp, d += A B: each lane
 /// publishes its fragments (A 16x16 row-major in a[0..3], B 16x8 in b0, b1: two f16 per register,
 /// the lower-indexed element in the low half), then computes its own four accumulators (rows
