@@ -191,6 +191,14 @@ const table* find_without_vnni(isa i) noexcept {
   return nullptr;
 }
 
+const table* find_without_vbmi(isa i) noexcept {
+#if defined(KVCACHE_HAVE_AVX512)
+  if (i == isa::avx512 && table_of(i) != nullptr) return avx512::int8_without_vbmi();
+#endif
+  (void)i;
+  return nullptr;
+}
+
 const table* find_other_score_width(isa i) noexcept {
 #if defined(KVCACHE_HAVE_AVX512)
   if (i == isa::avx512 && table_of(i) != nullptr) return &avx512::other_score_width();

@@ -53,8 +53,10 @@ static inline void prefetch_line(std::uintptr_t at, bool l1) noexcept {
 
 // The x86 tables: get() has the int8 Q4 kernels where the CPU has them (AVX2: always, on
 // vpdpbusd in kernels_avx2vnni.cpp with AVX-VNNI, on vpmaddubsw in kernels_avx2int8.cpp
-// without; AVX-512: kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI), float_q4()
-// always the float Q4 kernels, avx2::int8_without_vnni() the vpmaddubsw ones.
+// without; AVX-512: kernels_avx512vnni.cpp on CPUs with AVX-512 VNNI and VBMI,
+// kernels_avx512vnni_novbmi.cpp on CPUs with VNNI alone), float_q4() always the float Q4 kernels,
+// avx2::int8_without_vnni() the vpmaddubsw ones, avx512::int8_without_vbmi() (where the CPU has
+// AVX-512 VNNI) the ones without VBMI.
 using scores_q4_fn = void(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                           std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf);
 using accumulate_q4_fn = void(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v,
@@ -74,12 +76,14 @@ namespace avx2int8 { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; att
 #if defined(KVCACHE_HAVE_AVX512)
 // avx512::other_score_width(): get() with the other width of dense score kernels (512-bit where
 // get() has 256-bit, and the reverse), for tests and benchmarks.
-namespace avx512 { const table& get() noexcept; const table& float_q4() noexcept; const table& other_score_width() noexcept; }
-namespace avx512vnni {
-scores_q4_fn scores_q4;
-accumulate_q4_fn accumulate_q4;
-attend_q4_fn attend_q4;
-}
+namespace avx512 {
+const table& get() noexcept;
+const table& float_q4() noexcept;
+const table& other_score_width() noexcept;
+const table* int8_without_vbmi() noexcept;
+}  // namespace avx512
+namespace avx512vnni { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
+namespace avx512vnni_novbmi { scores_q4_fn scores_q4; accumulate_q4_fn accumulate_q4; attend_q4_fn attend_q4; }
 #endif
 #if defined(KVCACHE_HAVE_NEON)
 // get(): the int8 Q4 kernels of kernels_neondot.cpp where the CPU has FEAT_DotProd; float_q4():

@@ -74,6 +74,8 @@ class Kernels : public ::testing::TestWithParam<isa> {
 
   float normal(float sd = 1.0f) { return std::normal_distribution<float>(0.0f, sd)(rng_); }
   half rand_half(float sd = 1.0f) { return kvcache::to_half(normal(sd)); }
+  // Asserts that other's Q4 kernels give t_'s results bit for bit (see its definition).
+  void expect_same_q4_bits(const kernels::table& other);
 };
 
 // ---- FP16 conversions ---------------------------------------------------------------------------
@@ -578,13 +580,13 @@ TEST_P(Kernels, AccumulateF32) {
 }
 
 // The tables of this test's ISA, one per Q4 kernel set it has here, the fastest last (AVX-512:
-// float, and int8 where the CPU has VNNI and VBMI; AVX2: float, int8 on vpmaddubsw, and int8 on
-// vpdpbusd where the CPU has AVX-VNNI).
+// float, and int8 where the CPU has VNNI: without VBMI, then with it where the CPU has VBMI too;
+// AVX2: float, int8 on vpmaddubsw, and int8 on vpdpbusd where the CPU has AVX-VNNI).
 std::vector<const kernels::table*> q4_tables(isa i) {
   std::vector<const kernels::table*> r;
   if (const kernels::table* t = kernels::find(i, kernels::q4_arith::float32)) r.push_back(t);
-  const kernels::table* plain = kernels::find_without_vnni(i);
-  if (plain != nullptr && plain != kernels::find(i)) r.push_back(plain);
+  for (const kernels::table* plain : {kernels::find_without_vnni(i), kernels::find_without_vbmi(i)})
+    if (plain != nullptr && plain != kernels::find(i)) r.push_back(plain);
   if (const kernels::table* t = kernels::find(i, kernels::q4_arith::int8); t != nullptr && (r.empty() || r.back() != t))
     r.push_back(t);
   return r;
@@ -882,9 +884,21 @@ TEST_P(Kernels, Q4ArithmeticVariants) {
 #endif
 #if defined(__x86_64__)
   if (GetParam() == isa::avx512) {
+    // int8 wherever the CPU has AVX-512 VNNI; the kernels without VBMI where it lacks VBMI.
     __builtin_cpu_init();
-    const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+    const bool vnni = __builtin_cpu_supports("avx512vnni"), vbmi = __builtin_cpu_supports("avx512vbmi");
     EXPECT_EQ(t_->q4 == kernels::q4_arith::int8, vnni);
+    EXPECT_EQ(t_->q4_values == kernels::q4_arith::int8, vnni);
+    const kernels::table* plain = kernels::find_without_vbmi(isa::avx512);
+    EXPECT_EQ(plain != nullptr, vnni);
+    EXPECT_EQ(ts.size(), vnni ? 2u : 1u);
+    if (plain != nullptr) {
+      EXPECT_EQ(plain->q4, kernels::q4_arith::int8);
+      EXPECT_EQ(plain->q4_values, kernels::q4_arith::int8);
+      EXPECT_EQ(plain == t_, !vbmi);
+      EXPECT_EQ(t_->attend_q4 == plain->attend_q4, !vbmi);
+      EXPECT_EQ(plain->scores_f16, t_->scores_f16) << "the table without VBMI differs in more than its Q4 kernels";
+    }
   }
   if (GetParam() == isa::avx2) {
     // int8 on every AVX2 CPU; the kernels without VNNI where it lacks AVX-VNNI.
@@ -904,17 +918,15 @@ TEST_P(Kernels, Q4ArithmeticVariants) {
   if (GetParam() != isa::avx2) {
     EXPECT_EQ(kernels::find_without_vnni(GetParam()), nullptr);
   }
+  if (GetParam() != isa::avx512) {
+    EXPECT_EQ(kernels::find_without_vbmi(GetParam()), nullptr);
+  }
 }
 
-// The int8 Q4 kernels without VNNI (AVX2: vpmaddubsw, for CPUs without AVX-VNNI) sum the same
-// integers as the VNNI ones (high nibbles shifted down rather than left in place, the value codes
-// c - 8 rather than 16 (c - 8)), so scores and value sums are the same bit for bit: on fresh random
-// groups, every token count and range, ragged head_dims.
-TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
-  KVCACHE_SEED_TRACE();
-  const kernels::table* plain = kernels::find_without_vnni(GetParam());
-  if (plain == nullptr) GTEST_SKIP() << "this ISA has no int8 Q4 kernels without VNNI";
-  if (plain == t_) GTEST_SKIP() << "this CPU lacks AVX-VNNI: its AVX2 table is the one without VNNI";
+// Scores, value sums and fused steps of other's Q4 kernels against t_'s, bit for bit: on fresh
+// random groups, every token count and range, ragged head_dims.
+void Kernels::expect_same_q4_bits(const kernels::table& other) {
+  const kernels::table* plain = &other;
   for (std::uint32_t hd : {1u, 4u, 31u, 32u, 33u, 64u, 100u, 128u, 256u, 300u})
     for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u})
       for (std::uint32_t tokens : {1u, 3u, 8u, 16u, 17u, 31u, 32u}) {
@@ -966,6 +978,27 @@ TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
               << "fused step value sums differ, groups=" << count;
         }
       }
+}
+
+// The int8 Q4 kernels without VNNI (AVX2: vpmaddubsw, for CPUs without AVX-VNNI) sum the same
+// integers as the VNNI ones (high nibbles shifted down rather than left in place, the value codes
+// c - 8 rather than 16 (c - 8)), so scores and value sums are the same bit for bit.
+TEST_P(Kernels, Int8WithoutVnniIsBitIdentical) {
+  KVCACHE_SEED_TRACE();
+  const kernels::table* plain = kernels::find_without_vnni(GetParam());
+  if (plain == nullptr) GTEST_SKIP() << "this ISA has no int8 Q4 kernels without VNNI";
+  if (plain == t_) GTEST_SKIP() << "this CPU lacks AVX-VNNI: its AVX2 table is the one without VNNI";
+  expect_same_q4_bits(*plain);
+}
+
+// The AVX-512 int8 Q4 kernels without VBMI (two vpmovdb for one vpermt2b, for CPUs with VNNI
+// alone) sum the same integers as the ones with VBMI, so their results are the same bit for bit.
+TEST_P(Kernels, Int8WithoutVbmiIsBitIdentical) {
+  KVCACHE_SEED_TRACE();
+  const kernels::table* plain = kernels::find_without_vbmi(GetParam());
+  if (plain == nullptr) GTEST_SKIP() << "this ISA or CPU has no int8 Q4 kernels without VBMI (AVX-512 VNNI)";
+  if (plain == t_) GTEST_SKIP() << "this CPU lacks AVX-512 VBMI: its AVX-512 table is the one without VBMI";
+  expect_same_q4_bits(*plain);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(isa::scalar, isa::avx2, isa::avx512, isa::neon),

@@ -160,6 +160,12 @@ struct table {
 /// benchmarks.
 [[nodiscard]] const table* find_without_vnni(isa i) noexcept;
 
+/// The table of ISA i whose int8 Q4 kernels use no VBMI instruction, or nullptr where there is
+/// none. AVX-512: the VNNI kernels with two vpmovdb in place of one vpermt2b, on CPUs with AVX-512
+/// VNNI (Intel Cascade Lake has VNNI but not VBMI); find(isa::avx512) is this table on CPUs
+/// without VBMI, and its VBMI kernels give the same results bit for bit. For tests and benchmarks.
+[[nodiscard]] const table* find_without_vbmi(isa i) noexcept;
+
 /// find(i) with the other width of dense score kernels (scores_f16, scores_f32), or nullptr where
 /// an ISA has only one. AVX-512: find() has 512-bit ones, or 256-bit ones on cores that split
 /// 512-bit operations in two (AMD Zen 4), where those measured faster; this table the other.

@@ -1,0 +1,31 @@
+// The int8 Q4 kernels of q4_int8_avx512.inl for CPUs with AVX-512 VNNI but no VBMI (Intel Cascade
+// Lake and Cooper Lake): compiled with -mavx512vnni alone, they take the low byte of each dword
+// of two vectors with two vpmovdb (AVX-512F) where kernels_avx512vnni.cpp has one vpermt2b. The
+// same integers, so the same results bit for bit. Measured on a Cascade Lake VM (2 vCPUs, 2.5 GHz),
+// attend over a two-tier cache at 32k tokens with 1 thread: see avx512::get().
+#include "kernels_internal.hpp"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvcache::kernels::avx512vnni_novbmi {
+namespace {
+
+// Byte 0 of each dword of a, then of b: 32 bytes, in lane order (vpmovdb truncates each dword to
+// its low byte; order is not needed).
+inline __m256i low_bytes_of(__m512i a, __m512i /*order*/, __m512i b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(a)), _mm512_cvtepi32_epi8(b), 1);
+}
+
+}  // namespace
+
+#include "q4_int8_avx512.inl"
+
+}  // namespace kvcache::kernels::avx512vnni_novbmi

@@ -1,0 +1,892 @@
+// Q4 key scores and value sums of decode attention in integer arithmetic, for CPUs with AVX-512
+// VNNI (vpdpbusd: 64 u8 x s8 products per instruction). Included by kernels_avx512vnni.cpp (with
+// VBMI: low_bytes_of on vpermt2b) and kernels_avx512vnni_novbmi.cpp (without: two vpmovdb), inside
+// their namespaces after their low_bytes_of: everything stays in an anonymous namespace (see
+// kernels_internal.hpp) except the entry points, which avx512::get() installs on CPUs with VNNI.
+// The two builds sum the same integers, so their results are the same bit for bit.
+//
+// The folded query x_d = q_d * scale_d is one int8 value per channel with one scale per query:
+// Y_d = round(x_d / scale), scale = max_d |x_d| / 127, so x_d = scale (Y_d + e_d), |e_d| <= 1/2.
+// The codes (0..15) are the unsigned operand, as they are stored. Of the rounding error
+// scale sum_d e_d c_d, the part scale * 8 sum_d e_d (the same for all tokens of the group) is
+// added back exactly; what is left is scale sum_d e_d (c_d - 8), at most max|x| / 254 * |c_d - 8|
+// per channel. It stays well below the error the Q4 keys already carry: that error has a standard
+// deviation of at least max|x| / sqrt(12) (the channel of the largest |x_d| alone), against about
+// 0.12 max|x| for this one with random rounding at 128 channels (0.17 at 256), which adds under
+// 10 % to the variance of the score error. Two int8 parts (15 bits, as this kernel had before)
+// measured 1.2 to 1.3 times slower here: vpdpbusd and its dword broadcasts share the vector pipes.
+//
+// Values (accumulate_q4) are integer too, for every head_dim: per group, query i and block column
+// g, the weights w_t = p_t * scale_t become u8 on a grid of step = max_t p_t * max_t scale_t / 255
+// (over the group's tokens in range), and vpdpbusd sums them with the codes over token quads. The
+// fused step (attend_q4) takes two groups as one softmax tile, their weights on one grid (the
+// maxima over both groups' tokens) and so their integer sums in the same accumulators: the
+// softmax step's reductions, the value columns' bases and the float epilogue once per 64 tokens.
+// On cached groups that measured 1.12-1.15x faster, in attend at 32k 1.07-1.08x (medians of 40
+// paired rounds, 1 and 2 threads). The
+// codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
+// is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. (The layout
+// has no power-of-two condition on the block count any more: one column's set-up is the same at
+// any head_dim, and at head_dim <= 32 the int8 step is faster than the float one too.)
+//
+// The group layout (format.hpp) is made for these loops: a key channel quad is one 64-byte row
+// whose dword j holds the four channels' codes of tokens j (low nibbles) and j + 16 (high), so
+// vpdpbusd takes it as it is against four int8 query channels broadcast as a dword; a value token
+// quad of a column is one 64-byte row whose dword j holds channel byte j of the four tokens,
+// against the four tokens' u8 weights broadcast as a dword. Scales and minimums are contiguous
+// halves: over channels for keys, over the group's tokens per column for values.
+//
+// Measured on Zen 4 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
+// float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
+// cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
+// horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the
+// weights as u * us without a pass over p, the scores handed over in registers, the value
+// columns' scales prepared while the keys wait for their maxima, and the prefetch bookkeeping
+// kept to one check per two or four rows (it was a fifth of the instructions). Both dot-product
+// loops are functions of their own (key_dots, value_columns_of): inlined into the set-up, GCC 12
+// kept their accumulators in memory, a load and a store around every vpdpbusd (the fused step
+// measured 1.4x slower so).
+//
+// Measured on Zen 5 (session 30; GCC 12; cached groups, head_dim 128, 4 queries, two-group tiles,
+// about 320 ns = 1330 cycles a tile): vpdpbusd issues up to 2 a cycle, on two pipes it shares with
+// float multiplies, FMAs and vpermt2b (not with integer adds, logic, maxima or broadcasts from
+// memory); store-to-load forwarding of the weights and folded queries (a vector store, then dword
+// broadcasts from it) works (9-11 cycles). Knocked out one at a time, the tile without any dot
+// product takes 113 ns, the key dots add 80 and the value dots 140 (the value loop alone runs at 2
+// vpdpbusd a cycle; doubling either adds 78 and 98 ns), against a bound of about 740 cycles a tile
+// on those two pipes. A pipelined run of tiles in one call (the next tile's scores placed between a
+// tile's value weights and its value dots) measured 1.03x on cached groups and 1.00x streamed: at
+// function granularity the out-of-order window does not reach across phases, and it was not kept;
+// nor were both groups' key dots in one call with the value dots' two column pairs in one call
+// (1.02x cached, 0.99x streamed, medians of 10 alternations). Groups in L1 or L2 run alike;
+// streamed from memory (8 heads x 1024 groups, one head after the other, with the prefetch stream)
+// the step ran at 0.86-0.90 of its speed on groups in L2, 0.92-0.97 of its speed on groups in L3.
+// This file built by Clang 14 ran the step 1.07-1.10x faster then (the dot-product phases; the
+// set-up alone the same; since, GCC's build has gained more: in single runs of session 37,
+// Clang's ran the step on cached groups at 0.91x of GCC's and attend over a two-tier cache at 32k
+// at 0.87x); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
+// -fsched-pressure, -fno-schedule-insns2, -fno-tree-slp-vectorize, -funroll-loops, IRA options).
+// What GCC 12 does differently (session 31): in value_columns_of<4, 2, 2, true> the loop over the
+// second group's token quads copies 12 of its 16 accumulators between registers every pass and keeps
+// the other 4 in stack slots (39 register copies in the function; Clang's has none). The first
+// group's loop is clean. One loop over both groups' quads, one quad a pass, "=v" with "0" in place of
+// "+v", the intrinsic in place of the assembly, and -fira-region=one|all, -fira-algorithm=priority,
+// -fira-loop-pressure, -fno-ivopts, -fno-move-loop-invariants all kept the copies. An out-of-line
+// loop per group, its accumulators through memory, had no copies but ran the step 1.19x slower
+// (318 -> 378 ns a tile, cached). In session 32, with the line-for-line prefetch below, the
+// loop over the groups not unrolled, or the 16 accumulators pinned to zmm16..zmm31 (explicit
+// register variables: no copies left), ran the step 1.03x faster on cached groups but attend at
+// 32k 0.96-0.98x (1 thread, process alternation); neither was kept. The copies are not the
+// bound: sampled by perf (cpu-clock), a tile spends about 63 ns in key_dots (its 512 vpdpbusd at
+// two a cycle: 62 ns), 87 ns in value_columns_of with its epilogue, and 155 ns in the set-up.
+// Four groups a tile (session 31) was also tried. The keys were scored as two pairs, with one
+// softmax step and one weight grid over all four groups, and run_heads handed four groups a call.
+// With 1 thread at 32k this ran 1.08x in BM_attend (6 process alternations), where part of the
+// store stays in L3 between steps. It ran 0.95x in BM_attend_paired, where every step streams
+// from memory. Prefetching into L2 gave 0.93x there, and eight groups a call 0.88x. It was not
+// kept: the tile's compute gain does not survive the stream.
+// Prefetch (session 32): the fused step prefetches the next call's groups itself, line for line:
+// with each line of a group it loads, the line at the same offset of the group's ahead group
+// (q4_group_ref, struct mirror below), so that every line goes out one tile before it is read
+// and in the order it is read. Before, attend handed over the next tile's lines as one region in
+// address order, spread over the step's rows (most of them in the set-up), while the step reads
+// a tile in another order (both groups' key scales and minimums, the value scales, the key codes,
+// then the value codes column pair by column pair): lines read early in a tile went out late in
+// the one before. A synthetic stream on this Zen 5 VM (10 KB tiles from memory, about 290 ns of
+// FMAs a tile, each line prefetched one tile ahead) shows it: read in address order, the tiles
+// ran as fast as cached ones (293 against 290 ns); read in the step's order, 350-356 ns; with the
+// prefetches issued in the step's order too, 307-313 ns. Prefetching two tiles ahead helped
+// neither order. Measured (process alternation, medians of 6): attend over a two-tier cache at
+// 32k with 1 thread 1.11x (614 -> 679 tokens/s), at 4k 1.06x; BM_attend_paired two-tier / f16
+// 1.12x with 1 thread, 0.99x with 2; BM_attend_step's stream against l2 from 0.82 to 0.92 of its
+// speed. The next call's next groups (two tiles ahead) instead: 0.98x.
+// Session 37 (process alternation, 6 rounds, attend over a two-tier cache at 32k and 4k tokens, 1
+// thread; figures at 32k): every one of these prefetches is needed, and none earlier or twice.
+// Without the value codes' 0.55x, without those and the key codes' 0.41x, without the value scales'
+// 0.74x; the value codes into L2 (_MM_HINT_T1) 0.76x; the ahead groups' value codes from the first
+// pass instead (four lines a chunk) 0.77x, one line a chunk of them there and the rest as now
+// 0.97x; beside every prefetch a second one into L2 of the group two tiles ahead 0.91x. At 32k the
+// step reads the store at about 29 GB/s, 0.8 of BM_read with 1 thread, and on cached groups
+// (BM_attend_step, l2: 211 M tokens/s, 304 ns a tile) it runs only 1.17x as fast as in attend (684
+// tokens/s x 8 heads x 32k): the step's compute and the stream of its bytes take about as long as
+// each other. Tiles of four groups (the keys scored as two pairs, one softmax step and one weight
+// grid over the four, each group prefetching the one four later) measured 0.96x.
+namespace {
+
+#include "q4_int8.inl"
+
+struct byte_index {
+  alignas(64) std::uint8_t b[64];
+};
+
+// The first n (any) of 16 lanes.
+inline __mmask16 lanes_mask(unsigned n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// Lanes of 16-lane vector r below n.
+inline unsigned lanes(unsigned n, unsigned r) { return n <= 16 * r ? 0u : (n - 16 * r < 16 ? n - 16 * r : 16u); }
+
+// n (<= 16) halves from p as floats, 0 past n (no byte read there).
+inline __m512 halves(const std::uint8_t* p, unsigned n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes_mask(n), p));
+}
+
+// Rounding to integers by adding 1.5 * 2^23: a float of magnitude in [2^23, 2^24) has ulp 1, so
+// fma(a, b, round_magic) rounds a * b (exactly, in one step) to the nearest integer, ties to even,
+// and for |a * b| < 2^22 its low byte is that integer modulo 256: the int8 (or u8) value itself,
+// with no conversion and no packing.
+constexpr float round_magic = 12582912.0f;
+
+// vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order (low_bytes_of).
+constexpr byte_index make_low_bytes() {
+  byte_index x{};
+  for (int o = 0; o < 64; ++o) x.b[o] = static_cast<std::uint8_t>(4 * (o & 31));
+  return x;
+}
+constexpr byte_index low_bytes = make_low_bytes();
+
+// acc += dot products of the unsigned bytes of u with the signed bytes of s, four per dword
+// (vpdpbusd). Inline assembly: GCC 12 models the intrinsic as non-destructive and surrounds every
+// one with register copies, which triples the instructions of the inner loops.
+inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+#else
+  acc = _mm512_dpbusd_epi32(acc, u, s);
+#endif
+}
+
+// The fused step's prefetch (see this file's header): with each line of a group it loads, the line at
+// the same offset of the group's ahead group (q4_group_ref), at distance d bytes; d = 0 where the
+// group has none (the line just loaded: an L1 hit). Into L1 on every CPU: one tile ahead is 10 KB
+// at head_dim 128.
+struct mirror {
+  std::uintptr_t d = 0;
+  __attribute__((always_inline)) void line(const void* p) const {
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + d), _MM_HINT_T0);
+  }
+};
+inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
+  return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group)};
+}
+
+inline std::int32_t dword_at(const void* p) {
+  std::int32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return x;
+}
+
+// Function objects (not functions: through a function pointer GCC 12 neither inlined reduce4 nor
+// the operation).
+struct max_op {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
+};
+struct sum_op {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+constexpr max_op max_of;
+constexpr sum_op sum_of;
+
+// Lanes 4 i .. 4 i + 3 of the result: op over all 16 lanes of x[i], i < 4 (a transposing tree:
+// 13 instructions for the four, against 8 for each one alone).
+template <class Op>
+__attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op) {
+  const __m512 ab = op(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = op(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 r = op(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  r = op(r, _mm512_permute_ps(r, _MM_SHUFFLE(1, 0, 3, 2)));
+  return op(r, _mm512_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// ---- keys: lanes = the 32 tokens of the group (two vectors), dot products over channel quads ----
+
+// acc[i][r] += the integer dot products of query i's int8 channels ys[i * key_chunk ..] with the
+// codes of tokens 16 r .. 16 r + 15 (those of 16 .. 31 times 16), over `quads` channel quads from
+// `codes`. Two sets of accumulators (even and odd quads) halve the chains of dependent vpdpbusd.
+// Out of line: inlined into the fused step, GCC 12 kept the accumulators in memory, a load and a
+// store around every vpdpbusd. Quads: `quads` known at compile time (0: not), see attend_nq.
+// Prefetched: the region pf (the separate scores kernel's) spread over the quads, and each quad's
+// line at the ahead group (the fused step's).
+template <unsigned NQ, unsigned Quads = 0>
+__attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quads, const std::int8_t* ys,
+                                        __m512i (&acc)[NQ][2], line_prefetch& pfr, mirror ahead) {
+  if constexpr (Quads != 0) quads = Quads;
+  line_prefetch pf = pfr;
+  const __m512i nib_lo = _mm512_set1_epi8(0x0F), nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i a[2][NQ][2];
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    a[0][i][0] = acc[i][0];
+    a[0][i][1] = acc[i][1];
+    a[1][i][0] = a[1][i][1] = _mm512_setzero_si512();
+  }
+  auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
+    ahead.line(codes + 64 * j);
+    const __m512i x = _mm512_loadu_si512(codes + 64 * j);
+    const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512i yb = _mm512_set1_epi32(dword_at(ys + i * key_chunk + 4 * j));
+      dpbusd(a[u][i][0], lo, yb);
+      dpbusd(a[u][i][1], hi16, yb);
+    }
+  };
+  unsigned j = 0;
+  for (; j + 2 <= quads; j += 2) {
+    if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
+    quad(j, 0);
+    quad(j + 1, 1);
+  }
+  if (j < quads) {
+    pf.rows(1);
+    quad(j, 0);
+  }
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i) {
+    acc[i][0] = _mm512_add_epi32(a[0][i][0], a[1][i][0]);
+    acc[i][1] = _mm512_add_epi32(a[0][i][1], a[1][i][1]);
+  }
+  pfr = pf;
+}
+
+// sc[gi][i][r]: the scores of query i over group gi (gr[gi].k), tokens 16 r .. 16 r + 15 (all 32
+// of the group's lanes), for G (1, 2) groups at once: each pass runs over the channels of all G
+// groups together, so that one group's chain of dependent steps (pass 1, the maxima's tree, the
+// division, pass 2) runs beside the other's, and the query's channels are loaded once for both
+// (two groups as one tile: 1.03x the fused step on cached groups against one group after the
+// other, in-process alternation, session 16 on Zen 4).
+// `between` runs after the first pass, where the horizontal maxima and the divisions that follow
+// leave the vector pipes idle: the caller's work that does not depend on the scores.
+// Each group's ahead group (gr[gi].ahead_k) is prefetched line for line as the group is read (see
+// attend_nq_hd); pf, the separate kernel's region, is spread over the key dots. HD: hd known at
+// compile time (0: not), see attend_nq.
+struct nothing {
+  void operator()() const {}
+};
+template <unsigned NQ, unsigned G, unsigned HD = 0, class Between = nothing>
+__attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
+                                                       __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
+                                                       Between between = {}) {
+  if constexpr (HD != 0) hd = HD;
+  line_prefetch pf = pfr;
+  mirror ahead[G];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) ahead[gi] = mirror_of(gr[gi].k, gr[gi].ahead_k);
+  // Pass 1: the folded query x_d = q_d s_d (kept up to cached_channels), the largest |x_d| of
+  // each query and sum_d q_d (m_d + 8 s_d) (the minimums, and the centring added back below).
+  __m512 qmax[G][4], mterm[G][4];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi)
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < 4; ++i) qmax[gi][i] = mterm[gi][i] = _mm512_setzero_ps();
+  alignas(64) float folded[G][NQ][cached_channels];
+  const bool cached = hd <= cached_channels;
+  // Unrolled (session 36, Zen 5, process alternation): attend over a two-tier cache at 32k, 1
+  // thread, 0.99-1.04x (head_dim 128), the step on cached groups 1.02-1.03x. Pass 2's loop
+  // unrolled too ran 0.96x (spills). The unroll applies to the general step (HD = 0) as well:
+  // head_dim 256 measured within noise; the loop unrolled for a known HD only (a lambda per
+  // chunk) lost the gain at 128.
+#pragma GCC unroll 8
+  for (unsigned c = 0; c < hd; c += 16) {
+    const unsigned n = hd - c < 16 ? hd - c : 16;
+    __m512 qv[NQ];
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) qv[i] = _mm512_maskz_loadu_ps(lanes_mask(n), q + i * hd + c);
+#pragma GCC unroll 2
+    for (unsigned gi = 0; gi < G; ++gi) {
+      if (c % 32 == 0) {  // a line of scales and one of minimums per 32 channels
+        ahead[gi].line(gr[gi].k + key_scales_at(hd) + 2 * c);
+        ahead[gi].line(gr[gi].k + key_mins_at(hd) + 2 * c);
+      }
+      const __m512 s = halves(gr[gi].k + key_scales_at(hd) + 2 * c, n), m = halves(gr[gi].k + key_mins_at(hd) + 2 * c, n);
+      const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
+#pragma GCC unroll 8
+      for (unsigned i = 0; i < NQ; ++i) {
+        const __m512 x = _mm512_mul_ps(qv[i], s);
+        if (cached) _mm512_store_ps(folded[gi][i] + c, x);
+        qmax[gi][i] = _mm512_range_ps(qmax[gi][i], x, 0x0B);  // max(|qmax|, |x|): imm 11 (larger |.|), 10 (sign cleared)
+        mterm[gi][i] = _mm512_fmadd_ps(qv[i], m8, mterm[gi][i]);
+      }
+    }
+  }
+  between();
+  // Lane 4 i: the scale of query i, max|x| / 127, and its inverse (0 where the folded query is all
+  // zeros).
+  // The inverses stay in registers, broadcast by a permute: through memory (a store, then a
+  // broadcast load per query) they sat on the step's chain of maxima, division and pass 2
+  // (store forwarding): this way 1.04x on cached groups and 1.03x attend over a two-tier cache
+  // at 32k with 1 thread (Zen 5, process alternation). The scales, used off that chain, stay
+  // in memory (the same for the value weights' inverses: 0.98-1.01x).
+  alignas(64) float scale[G][16];
+  __m512 invv[G];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) {
+    const __m512 mx = reduce4(qmax[gi], max_of);
+    _mm512_store_ps(scale[gi], _mm512_div_ps(mx, _mm512_set1_ps(127.0f)));
+    invv[gi] = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.0f), mx);
+  }
+  // Pass 2: Y of a chunk of channels, then the integer dot products over it (key_dots).
+  __m512i acc[G][NQ][2], ysum[G][4];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) {
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) acc[gi][i][0] = acc[gi][i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (unsigned i = 0; i < 4; ++i) ysum[gi][i] = _mm512_setzero_si512();
+  }
+  alignas(64) std::int8_t ys[G][NQ][key_chunk];
+  alignas(64) float base[G][16];
+  const __m512i order = _mm512_load_si512(low_bytes.b);
+  std::uint32_t blocks = 0;  // of 32 channels: each adds round_magic's bits twice to every lane of ysum
+  for (unsigned c0 = 0; c0 < hd; c0 += key_chunk) {
+    const unsigned nd = hd - c0 < key_chunk ? hd - c0 : key_chunk;
+    for (unsigned j = 0; j < nd; j += 32) {
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        __m512 x[NQ][2];
+#pragma GCC unroll 2
+        for (unsigned r = 0; r < 2; ++r) {
+          const unsigned n = lanes(nd - j, r), c = c0 + j + 16 * r;
+          if (cached) {
+#pragma GCC unroll 8
+            for (unsigned i = 0; i < NQ; ++i) x[i][r] = _mm512_maskz_load_ps(lanes_mask(n), folded[gi][i] + c);
+          } else {
+            const __m512 s = n > 0 ? halves(gr[gi].k + key_scales_at(hd) + 2 * c, n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (unsigned i = 0; i < NQ; ++i)
+              x[i][r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_mask(n), q + i * hd + c), s);
+          }
+        }
+#pragma GCC unroll 8
+        for (unsigned i = 0; i < NQ; ++i) {
+          const __m512 k1 = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), invv[gi]);
+          const __m512 mg = _mm512_set1_ps(round_magic);
+          const __m512i y0 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][0], k1, mg));
+          const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(ys[gi][i] + j),
+                             low_bytes_of(y0, order, y1));
+          // sum_d Y_d on the integer pipes: the bits of magic + Y are those of magic plus Y.
+          ysum[gi][i] = _mm512_add_epi32(ysum[gi][i], _mm512_add_epi32(y0, y1));
+        }
+      }
+      ++blocks;
+    }
+    if (c0 + nd == hd) {
+      // The last chunk's Y are in: the scores' base, ahead of the dot products (which do not need
+      // it), score = scale (sum_d Y_d c_d + 8 sum_d (y_d - Y_d)) + sum_d q_d m_d, y_d = x_d / scale,
+      //       = scale (sum_d Y_d c_d - 8 sum_d Y_d) + sum_d q_d (m_d + 8 s_d).
+      // blocks * 2 * bits(round_magic), modulo 2^32 as the lanes' sums wrap (the sums of Y fit).
+      const __m512i magic_bits = _mm512_set1_epi32(static_cast<int>(blocks * 2u * 0x4B400000u));
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        __m512 b[4];
+#pragma GCC unroll 4
+        for (unsigned i = 0; i < 4; ++i)  // sum_d Y_d exact in float: |sum| < 2^24
+          b[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ysum[gi][i], magic_bits)),
+                                  _mm512_set1_ps(8.0f * scale[gi][4 * i]), mterm[gi][i]);
+        _mm512_store_ps(base[gi], reduce4(b, sum_of));
+      }
+    }
+    // The chunk's channel quads, each one 64-byte row: dword j = its four channels' codes of
+    // token j (low nibbles) and j + 16 (high nibbles, left in place: codes times 16). The last
+    // quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0 there.
+#pragma GCC unroll 2
+    for (unsigned gi = 0; gi < G; ++gi)
+      key_dots<NQ, (HD != 0 && HD <= key_chunk) ? (HD + 3) / 4 : 0>(gr[gi].k + std::size_t{16} * c0, (nd + 3) / 4,
+                                                                   &ys[gi][0][0], acc[gi], pf, ahead[gi]);
+  }
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi)
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512 bs = _mm512_set1_ps(base[gi][4 * i]);
+      // Tokens 16..31 were summed with their codes times 16.
+#pragma GCC unroll 2
+      for (unsigned r = 0; r < 2; ++r)
+        sc[gi][i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[gi][i][r]),
+                                       _mm512_set1_ps(r == 0 ? scale[gi][4 * i] : scale[gi][4 * i] * 0.0625f), bs);
+    }
+  pfr = pf;
+}
+
+template <unsigned NQ>
+void scores_nq(const float* q, const std::uint8_t* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
+               line_prefetch& pf) {
+  __m512 sc[1][NQ][2];
+  const q4_group_ref gr{k, nullptr, tokens};
+  scores_of<NQ, 1>(q, &gr, hd, sc, pf);
+#pragma GCC unroll 8
+  for (unsigned i = 0; i < NQ; ++i)
+#pragma GCC unroll 2
+    for (unsigned r = 0; r < 2; ++r) {
+      if (tokens == 32) _mm512_storeu_ps(out + i * out_stride + 16 * r, sc[0][i][r]);
+      else _mm512_mask_storeu_ps(out + i * out_stride + 16 * r, lanes_mask(lanes(tokens, r)), sc[0][i][r]);
+    }
+}
+
+// ---- values: lanes = 16 channels of a block column, dot products over token quads --------------
+
+constexpr unsigned value_columns = 4;  // block columns per set-up (one reduction tree)
+
+// The value groups of one softmax tile, G (1, 2) of them: group gi's codes v[gi], its tokens in
+// range (bit t: token t) tm[gi], covered by its token quads [q0[gi], q1[gi]), and its ahead
+// group's mirror (none: distance 0).
+template <unsigned G>
+struct tile_groups {
+  const std::uint8_t* v[G];
+  __mmask32 tm[G];
+  unsigned q0[G], q1[G];
+  mirror ahead[G] = {};  // of the value groups
+};
+
+// What the set-up of a batch of columns hands the integer loop, per query i and column c.
+template <unsigned NQ, unsigned G>
+struct column_weights {
+  alignas(64) std::uint8_t w[NQ][value_columns][32 * G];  // u8 weights: group gi's tokens at 32 gi, dword Q = tokens 4Q..4Q+3
+  alignas(64) float step[16];                              // lane 4 i + c: the grid step of the weights, over 16
+  alignas(64) float base[16];                              // lane 4 i + c: sum_t p_t (m_t + 8 s_t)
+};
+
+// acc[i][32 c .. 32 c + 32) (up to hd_left channels from the first column's) += column c's share
+// of sum_t p_t v_t, for NC (1, 2) adjacent columns from column offset `at` (bytes) of each group,
+// over the groups' token quads [q0, q1) of their codes (a 64-byte row each: dword j = channel
+// byte j of the quad's four tokens), all G groups into the same integer sums (their weights are on
+// one grid). The codes enter centred and times 16, 16 (c - 8) in -128..112: (x & 0xF0) ^ 0x80 for
+// the high nibbles (channels 16..31), the same of x << 4 for the low ones (channels 0..15).
+// Weights of query i, column c, group gi at w + i * w_stride + 32 G c + 32 gi; step, base of
+// query i, column c at [i * sb_stride + c].
+// Two columns a call: 4 NQ independent chains of vpdpbusd (latency 4) rather than 2 NQ, and half
+// the calls. Out of line: inlined into the set-up's loops, GCC 12 keeps the accumulators in memory.
+// Full: every group's token quads are 0..7 (all 32 tokens in range), a loop of fixed length.
+// Prefetched: the region pf spread over the quads, and each row's line at its group's ahead group
+// (tg.ahead).
+template <unsigned NQ, unsigned NC, unsigned G, bool Full = false>
+__attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::size_t at, const std::uint8_t* w,
+                                                std::size_t w_stride, const float* step, const float* base,
+                                                std::size_t sb_stride, unsigned hd_left, float* acc,
+                                                std::size_t acc_stride, line_prefetch& pfr) {
+  line_prefetch pf = pfr;
+  const __m512i nib_hi = _mm512_set1_epi8(static_cast<char>(0xF0)), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i a0[NC][NQ], a1[NC][NQ];
+#pragma GCC unroll 2
+  for (unsigned c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) a0[c][i] = a1[c][i] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) {
+    const std::uint8_t* codes = tg.v[gi] + at;
+    const std::uint8_t* wg = w + 32 * gi;
+    auto quad = [&](unsigned j) __attribute__((always_inline)) {
+#pragma GCC unroll 2
+      for (unsigned c = 0; c < NC; ++c) {
+        tg.ahead[gi].line(codes + std::size_t{512} * c + 64 * j);
+        const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
+        // (a & b) ^ c: imm 0x6A.
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
+        const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
+#pragma GCC unroll 8
+        for (unsigned i = 0; i < NQ; ++i) {
+          const __m512i wi = _mm512_set1_epi32(dword_at(wg + i * w_stride + 32 * G * c + 4 * j));
+          dpbusd(a0[c][i], wi, lo);
+          dpbusd(a1[c][i], wi, hi);
+        }
+      }
+    };
+    const unsigned q1 = Full ? 8 : tg.q1[gi];
+    unsigned j = Full ? 0 : tg.q0[gi];
+    for (; j + 2 <= q1; j += 2) {
+      pf.rows(2 * NC);
+      quad(j);
+      quad(j + 1);
+    }
+    if (j < q1) {
+      pf.rows(NC);
+      quad(j);
+    }
+  }
+#pragma GCC unroll 2
+  for (unsigned c = 0; c < NC; ++c) {
+    const unsigned ch = hd_left - 32 * c < 32 ? hd_left - 32 * c : 32;
+    const __mmask16 m0 = lanes_mask(lanes(ch, 0)), m1 = lanes_mask(lanes(ch, 1));
+#pragma GCC unroll 8
+    for (unsigned i = 0; i < NQ; ++i) {
+      const __m512 st = _mm512_set1_ps(step[i * sb_stride + c]), bs = _mm512_set1_ps(base[i * sb_stride + c]);
+      float* o = acc + i * acc_stride + 32 * c;
+      _mm512_mask_storeu_ps(o, m0,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[c][i]), st, bs)));
+      _mm512_mask_storeu_ps(
+          o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[c][i]), st, bs)));
+    }
+  }
+  pfr = pf;
+}
+
+// The sums of all 16 lanes of each of 16 vectors x[4 e + j], to lane 4 j + e of one vector, by a
+// transposing tree (45 instructions for the 16 sums) taken in two steps: sum4_of_column, the first
+// two levels over the four vectors x[4 e ..] of one e, as soon as those are in (16 vectors live at
+// once spilled to the stack), then sum16_last over the four results.
+__attribute__((always_inline)) inline __m512 sum4_of_column(const __m512 (&x)[4]) {
+  __m512 a[2];
+#pragma GCC unroll 2
+  for (unsigned k = 0; k < 2; ++k)
+    a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+__attribute__((always_inline)) inline __m512 sum16_last(const __m512 (&b)[4]) {
+  __m512 c[2];
+#pragma GCC unroll 2
+  for (unsigned k = 0; k < 2; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// What a batch of columns' set-up takes from the scales and minimums alone (no weights): per
+// column c and group gi (at 32 gi), the scales times 255 / max_t s and m + 8 s over the tokens in
+// range (0 elsewhere, whatever is stored there), and max_t s over all G groups (lane 4 c).
+template <unsigned G>
+struct column_scales {
+  alignas(64) float s[value_columns][32 * G];
+  alignas(64) float m8[value_columns][32 * G];
+  __m512 smax;
+};
+
+// Column g's scales (or minimums) of the tokens in tm, 0 elsewhere (whatever is stored there).
+__attribute__((always_inline)) inline void column_halves(const std::uint8_t* h, unsigned g, __mmask32 tm, __m512& lo,
+                                                         __m512& hi) {
+  lo = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g)));
+  hi = _mm512_maskz_cvtph_ps(static_cast<__mmask16>(tm >> 16),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 * g + 32)));
+}
+
+// The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of the tile's groups.
+template <unsigned G>
+__attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>& tg, unsigned hd, unsigned g0,
+                                                           unsigned nc, column_scales<G>& cs) {
+  __m512 sl[4][G], sh[4][G], sm[4];
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    sm[c] = _mm512_setzero_ps();
+    if (c < nc) {
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        tg.ahead[gi].line(tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
+        tg.ahead[gi].line(tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
+        column_halves(tg.v[gi] + value_scales_at(hd), g0 + c, tg.tm[gi], sl[c][gi], sh[c][gi]);
+        sm[c] = _mm512_max_ps(sm[c], _mm512_max_ps(sl[c][gi], sh[c][gi]));
+      }
+    }
+  }
+  cs.smax = reduce4(sm, max_of);
+  alignas(64) float sinv[16];
+  _mm512_store_ps(sinv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(cs.smax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(255.0f), cs.smax));
+#pragma GCC unroll 4
+  for (unsigned c = 0; c < 4; ++c) {
+    if (c < nc) {
+      const __m512 si = _mm512_set1_ps(sinv[4 * c]);
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        __m512 ml, mh;
+        column_halves(tg.v[gi] + value_mins_at(hd), g0 + c, tg.tm[gi], ml, mh);
+        _mm512_store_ps(cs.m8[c] + 32 * gi, _mm512_fmadd_ps(sl[c][gi], _mm512_set1_ps(8.0f), ml));
+        _mm512_store_ps(cs.m8[c] + 32 * gi + 16, _mm512_fmadd_ps(sh[c][gi], _mm512_set1_ps(8.0f), mh));
+        _mm512_store_ps(cs.s[c] + 32 * gi, _mm512_mul_ps(sl[c][gi], si));  // s 255 / max_t s
+        _mm512_store_ps(cs.s[c] + 32 * gi + 16, _mm512_mul_ps(sh[c][gi], si));
+      }
+    }
+  }
+}
+
+// acc[i][..] += sum_t p_t v_t over the tokens of the tile's G value groups in range, with
+// p_t = u_t us_i: u_t of query i, group gi in lane t of u[i][2 gi] (tokens 0..15) and
+// u[i][2 gi + 1] (16..31), 0 outside the range and at most 1 (up to rounding: the largest is about
+// 1); us: lanes 4 i .. 4 i + 3, the factor of query i. Per batch of columns: the scales' maxima
+// over the tile's tokens in one tree, then per query and column the u8 weights
+// round(u s 255 / max_t s) (every one <= 255: p s on one grid of step = us max_t s / 255 for all G
+// groups, whose integer sums therefore add up before the float epilogue), and the bases
+// us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
+template <unsigned NQ, unsigned G>
+__attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G], __m512 us, const tile_groups<G>& tg,
+                                                     unsigned hd, float* acc, line_prefetch& pf,
+                                                     const column_scales<G>* first = nullptr) {
+  const unsigned nb = value_blocks(hd);
+  const __m512 pm = _mm512_mul_ps(us, _mm512_set1_ps(1.0f / (255.0f * 16.0f)));  // step / max_t s, over 16
+  const __m512i order = _mm512_load_si512(low_bytes.b);
+  const __m512i group_lane = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+  const __m512 mg = _mm512_set1_ps(round_magic);
+  column_weights<NQ, G> cw;
+  column_scales<G> own;
+  bool full = true;  // every group's 32 tokens in range: its token quads are 0..7
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) full = full && tg.tm[gi] == ~__mmask32{0};
+  for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
+    const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
+    const column_scales<G>* cs = g0 == 0 && first != nullptr ? first : &own;
+    if (cs == &own) prepare_columns<G>(tg, hd, g0, nc, own);
+    // The bases' sums, column by column, each column's four reduced at once (sum4_of_column).
+    __m512 bcol[4];
+#pragma GCC unroll 4
+    for (unsigned c = 0; c < 4; ++c) {
+      bcol[c] = _mm512_setzero_ps();
+      if (c < nc) {
+        __m512 bsum[4];
+#pragma GCC unroll 4
+        for (unsigned i = 0; i < 4; ++i) bsum[i] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+        for (unsigned gi = 0; gi < G; ++gi) {
+          const __m512 sl = _mm512_load_ps(cs->s[c] + 32 * gi), sh = _mm512_load_ps(cs->s[c] + 32 * gi + 16);
+          const __m512 m8l = _mm512_load_ps(cs->m8[c] + 32 * gi), m8h = _mm512_load_ps(cs->m8[c] + 32 * gi + 16);
+#pragma GCC unroll 4
+          for (unsigned i = 0; i < NQ; ++i) {
+            const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi], sl, mg));
+            const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi + 1], sh, mg));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c] + 32 * gi),
+                               low_bytes_of(w0, order, w1));
+            bsum[i] = _mm512_fmadd_ps(u[i][2 * gi], m8l, _mm512_fmadd_ps(u[i][2 * gi + 1], m8h, bsum[i]));
+          }
+        }
+        bcol[c] = sum4_of_column(bsum);
+      }
+    }
+    // Lane 4 i + c: the base and step of query i, column g0 + c.
+    _mm512_store_ps(cw.base, _mm512_mul_ps(sum16_last(bcol), us));
+    _mm512_store_ps(cw.step, _mm512_mul_ps(pm, _mm512_permutexvar_ps(group_lane, cs->smax)));
+    unsigned c = 0;
+    for (; c + 2 <= nc; c += 2) {
+      const std::size_t at = std::size_t{512} * (g0 + c);
+      if (full)
+        value_columns_of<NQ, 2, G, true>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4,
+                                         hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+      else
+        value_columns_of<NQ, 2, G>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, hd - 32 * (g0 + c),
+                                   acc + 32 * (g0 + c), hd, pf);
+    }
+    if (c < nc)
+      value_columns_of<NQ, 1, G>(tg, std::size_t{512} * (g0 + c), cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c,
+                                 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+  }
+}
+
+// Lane 4 i: the largest of plo[i], phi[i] (0 for i >= NQ).
+template <unsigned NQ>
+__attribute__((always_inline)) inline __m512 max_weights(const __m512 (&plo)[NQ], const __m512 (&phi)[NQ]) {
+  __m512 m[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) m[i] = i < NQ ? _mm512_max_ps(plo[i % NQ], phi[i % NQ]) : _mm512_setzero_ps();
+  return reduce4(m, max_of);
+}
+
+// accumulate_q4 for NQ (1..4) queries: tokens [first, first + n) of the group, the weights moved
+// to their tokens' lanes.
+template <unsigned NQ>
+void accumulate_nq(const float* p, std::size_t p_stride, const std::uint8_t* v, unsigned first, unsigned n, unsigned hd,
+                   float* acc, line_prefetch& pf) {
+  const unsigned end = first + n;
+  const __mmask32 tm = static_cast<__mmask32>((end >= 32 ? ~0u : (1u << end) - 1u) & ~((1u << first) - 1u));
+  const __m512i idx = _mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(static_cast<int>(first)));
+  const __m512i idx16 = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+  __m512 plo[NQ], phi[NQ];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    // p[r] of token first + r: loaded to lanes r (masked to n), then lane t takes lane t - first.
+    const __m512 a = _mm512_maskz_loadu_ps(lanes_mask(n), p + i * p_stride);
+    const __m512 b = _mm512_maskz_loadu_ps(lanes_mask(lanes(n, 1)), p + i * p_stride + 16);
+    plo[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm), a, idx, b);
+    phi[i] = _mm512_maskz_permutex2var_ps(static_cast<__mmask16>(tm >> 16), a, idx16, b);
+  }
+  // u = p / max_t p. Below 2^-100, p is scaled by 2^100 first (exact), since 1 / max p overflows
+  // below ~2^-126.
+  const __m512 pmax = max_weights<NQ>(plo, phi);
+  alignas(64) float big[16], kf[16];
+  {
+    const __m512 b = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pmax, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ),
+                                          _mm512_set1_ps(1.0f), _mm512_set1_ps(0x1p100f));
+    _mm512_store_ps(big, b);
+    _mm512_store_ps(kf, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(pmax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                            _mm512_set1_ps(1.0f), _mm512_mul_ps(pmax, b)));
+  }
+  __m512 u[NQ][2];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    const __m512 b = _mm512_set1_ps(big[4 * i]), k = _mm512_set1_ps(kf[4 * i]);
+    u[i][0] = _mm512_mul_ps(_mm512_mul_ps(plo[i], b), k);
+    u[i][1] = _mm512_mul_ps(_mm512_mul_ps(phi[i], b), k);
+  }
+  const tile_groups<1> tg{{v}, {tm}, {first / 4}, {(end + 3) / 4}};
+  values_nq<NQ, 1>(u, pmax, tg, hd, acc, pf);
+}
+
+// ---- the online-softmax step over one tile of G (1, 2) groups: scores, weights and values of
+// four queries ----
+
+#include "avx512_float_ops.inl"
+using S = avx512_float_ops;
+
+// 2^x for x <= 0, as attend()'s softmax step computes it.
+#include "exp2_simd.inl"
+
+// table::attend_q4 for NQ (1..4) queries over G groups as one tile: the scores in registers, the
+// softmax step with the queries' maxima and sums each reduced in one tree over all G groups, and
+// the values with the weights straight from registers, all G groups' integer sums on one grid
+// and one float epilogue (two groups a tile halve the set-up that is per tile rather than per
+// group). Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
+// HD: hd known at compile time (0: not), see attend_nq below.
+template <unsigned NQ, unsigned G, unsigned HD>
+void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
+                  line_prefetch& pf) {
+  if constexpr (HD != 0) hd = HD;
+  __m512 s[G][NQ][2], mx[4];
+  tile_groups<G> tg;
+  __mmask16 m[G][2];
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi) {
+    const unsigned tokens = gr[gi].tokens;
+    tg.v[gi] = gr[gi].v;
+    tg.ahead[gi] = mirror_of(gr[gi].v, gr[gi].ahead_v);
+    tg.tm[gi] = static_cast<__mmask32>(tokens >= 32 ? ~0u : (1u << tokens) - 1u);
+    tg.q0[gi] = 0;
+    tg.q1[gi] = (tokens + 3) / 4;
+    m[gi][0] = lanes_mask(lanes(tokens, 0));
+    m[gi][1] = lanes_mask(lanes(tokens, 1));
+  }
+  const unsigned nb = value_blocks(hd);
+  column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
+  auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
+  if (hd <= int8_key_channels) {
+    scores_of<NQ, G, HD>(q, gr, hd, s, pf, prepare);
+  } else {  // see scores_q4
+    prepare();
+#pragma GCC unroll 2
+    for (unsigned gi = 0; gi < G; ++gi) {
+      alignas(64) float w[NQ][32];
+      avx512::float_q4().scores_q4(q, NQ, gr[gi].k, gr[gi].tokens, hd, &w[0][0], 32, {});
+#pragma GCC unroll 4
+      for (unsigned i = 0; i < NQ; ++i) {
+        s[gi][i][0] = _mm512_maskz_load_ps(m[gi][0], w[i]);  // lanes past tokens: masked below
+        s[gi][i][1] = _mm512_maskz_load_ps(m[gi][1], w[i] + 16);
+      }
+    }
+  }
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) {
+    mx[i] = ninf;
+    if (i < NQ) {
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        s[gi][i][0] = _mm512_mask_mov_ps(ninf, m[gi][0], s[gi][i][0]);
+        s[gi][i][1] = _mm512_mask_mov_ps(ninf, m[gi][1], s[gi][i][1]);
+        mx[i] = _mm512_max_ps(mx[i], _mm512_max_ps(s[gi][i][0], s[gi][i][1]));
+      }
+    }
+  }
+  alignas(64) float tile_max[16];
+  const __m512 tmax = reduce4(mx, max_of);
+  _mm512_store_ps(tile_max, tmax);
+  // The weights w_t = 2^(s_t - m_new) as u_t us: u_t = 2^(s_t - tile max) (the top token's 1),
+  // us = 2^(tile max - m_new) (lanes 4 i ..).
+  const __m512 m_new_v = _mm512_max_ps(
+      tmax, _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
+                                  _mm512_maskz_loadu_ps(lanes_mask(NQ), run_max)));
+  const __m512 us = exp2_nonpositive(_mm512_sub_ps(tmax, m_new_v));
+  float m_new[NQ];
+  __m512 u[NQ][2 * G], sum[4];
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < 4; ++i) {
+    sum[i] = _mm512_setzero_ps();
+    if (i < NQ) {
+      m_new[i] = tile_max[4 * i] > run_max[i] ? tile_max[4 * i] : run_max[i];
+      const __m512 mi = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(4 * i)), tmax);
+#pragma GCC unroll 2
+      for (unsigned gi = 0; gi < G; ++gi) {
+        u[i][2 * gi] = _mm512_maskz_mov_ps(m[gi][0], exp2_nonpositive(_mm512_sub_ps(s[gi][i][0], mi)));
+        u[i][2 * gi + 1] = _mm512_maskz_mov_ps(m[gi][1], exp2_nonpositive(_mm512_sub_ps(s[gi][i][1], mi)));
+        sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(u[i][2 * gi], u[i][2 * gi + 1]));
+      }
+    }
+  }
+  alignas(64) float total[16];
+  _mm512_store_ps(total, _mm512_mul_ps(reduce4(sum, sum_of), us));
+#pragma GCC unroll 4
+  for (unsigned i = 0; i < NQ; ++i) {
+    if (m_new[i] != run_max[i]) {
+      // First group: run_max is -inf and acc, run_sum are 0: the correction factor is 0.
+      const float corr = run_max[i] < -3.0e38f
+                             ? 0.0f
+                             : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(run_max[i] - m_new[i])));
+      float* a = acc + static_cast<std::size_t>(i) * hd;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (unsigned d = 0; d < hd; d += 16) {
+        const __mmask16 md = lanes_mask(hd - d);
+        _mm512_mask_storeu_ps(a + d, md, _mm512_mul_ps(_mm512_maskz_loadu_ps(md, a + d), cv));
+      }
+      run_sum[i] *= corr;
+      run_max[i] = m_new[i];
+    }
+    run_sum[i] += total[4 * i];
+  }
+  values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
+}
+
+// The step for head_dim 128 (most models' head size) is compiled for it: its loops over channels
+// and channel quads of fixed length, unrolled where GCC sees fit, with no lane masks computed at
+// run time; other sizes take the general one. With full groups the value columns' loops over
+// token quads are fixed too (value_columns_of, Full). Measured on Zen 5 (process alternation of
+// the library before and after, 5 rounds, medians): the step on cached groups
+// (BM_attend_step/q4/avx512/nq:4/l2/g:2) 1.09-1.10x, streamed (/stream/g:2) 1.05-1.06x; attend
+// over a two-tier cache at 32k 1.06x with 1 and 2 threads, at 4k 1.04-1.05x. The
+// step's code for 128 is about 14 KB a (NQ, G) pair, the library's AVX-512 VNNI file 238 KB of
+// text against 164 KB before.
+// head_dim 64 (small models': Llama 3.2 1B) too, 287 KB of text with it: attend over a two-tier
+// cache (8 kv heads x 64, 32 queries; process alternation, 8 rounds, medians) 1.08x at 32k with 1
+// thread, 1.10x with 2, 1.12x at 4k. Not 256: its step measured 1.06x at 4k but 0.93x at 32k
+// (1 and 2 threads), where the stream of the store, not the step, sets the pace. (Nor the dense
+// scores at 64, scores_dense.inl: paged 1.03x at 4k but 0.91x at 32k, medians of 10 pairs.)
+template <unsigned NQ, unsigned G>
+void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
+               line_prefetch& pf) {
+  if (hd == 128) attend_nq_hd<NQ, G, 128>(q, gr, hd, run_max, run_sum, acc, pf);
+  else if (hd == 64) attend_nq_hd<NQ, G, 64>(q, gr, hd, run_max, run_sum, acc, pf);
+  else attend_nq_hd<NQ, G, 0>(q, gr, hd, run_max, run_sum, acc, pf);
+}
+
+}  // namespace
+
+void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens, std::uint32_t head_dim,
+               float* out, std::size_t out_stride, prefetch_region pf) {
+  if (head_dim > int8_key_channels) {  // see int8_key_channels
+    avx512::float_q4().scores_q4(q, nq, k, tokens, head_dim, out, out_stride, pf);
+    return;
+  }
+  scores_q4_by_four(q, nq, k, tokens, head_dim, out, out_stride, pf);
+}
+
+void accumulate_q4(const float* p, std::size_t p_stride, std::uint32_t nq, const std::uint8_t* v, std::uint32_t first,
+                   std::uint32_t tokens, std::uint32_t head_dim, float* acc, prefetch_region pf) {
+  if (tokens == 0) return;
+  const std::uint32_t q0 = first / 4, q1 = (first + tokens + 3) / 4;
+  line_prefetch rp(pf, value_blocks(head_dim) * (q1 - q0)), none;  // per token quad of a column, in the first queries' pass
+  for (std::uint32_t i0 = 0; i0 < nq; i0 += 4) {
+    const float* pi = p + i0 * p_stride;
+    float* a = acc + static_cast<std::size_t>(i0) * head_dim;
+    line_prefetch& f = i0 == 0 ? rp : none;
+    switch (nq - i0 < 4 ? nq - i0 : 4) {
+      case 1: accumulate_nq<1>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      case 2: accumulate_nq<2>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      case 3: accumulate_nq<3>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+      default: accumulate_nq<4>(pi, p_stride, v, first, tokens, head_dim, a, f); break;
+    }
+  }
+}
+
+void attend_q4(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,
+               std::uint32_t head_dim, float* run_max, float* run_sum, float* acc) {
+  attend_q4_by_tiles(q, nq, groups, count, head_dim, run_max, run_sum, acc, false);
+}
+
