@@ -24,6 +24,12 @@ inline __m256i low_bytes_of(__m512i a, __m512i /*order*/, __m512i b) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(a)), _mm512_cvtepi32_epi8(b), 1);
 }
 
+// The fused step's prefetches (mirror) go to L2 on these Intel cores, where every prefetch holds a
+// line fill buffer until its line arrives (as loads do), and one that fills only L2 holds it for
+// less. Measured on the Cascade Lake VM (8 process alternations, BM_attend over a two-tier cache
+// at 32k, 1 thread): median 6.04 ms against 6.39 into L1, best 5.47 against 6.10.
+constexpr int mirror_locality = 2;  // prefetcht1
+
 }  // namespace
 
 #include "q4_int8_avx512.inl"

@@ -157,12 +157,13 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 
 // The fused step's prefetch (see this file's header): with each line of a group it loads, the line at
 // the same offset of the group's ahead group (q4_group_ref), at distance d bytes; d = 0 where the
-// group has none (the line just loaded: an L1 hit). Into L1 on every CPU: one tile ahead is 10 KB
-// at head_dim 128.
+// group has none (the line just loaded: an L1 hit). Into the level the including file's
+// mirror_locality names: L1 where VBMI is (one tile ahead is 10 KB at head_dim 128), L2 on the Intel
+// cores without it (see kernels_avx512vnni_novbmi.cpp).
 struct mirror {
   std::uintptr_t d = 0;
   __attribute__((always_inline)) void line(const void* p) const {
-    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + d), _MM_HINT_T0);
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + d), 0, mirror_locality);
   }
 };
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
