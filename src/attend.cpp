@@ -587,11 +587,11 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // off == 0); the kernel takes them two at a time as one tile (a last odd one alone):
         // scores, softmax step and values of all the head's queries over both groups. The step
         // prefetches the group read two groups later as it reads its own, line for line
-        // (q4_group_ref::ahead_k, ahead_v; why, and what it measured: kernels_avx512vnni.cpp).
+        // (q4_group_ref::ahead_k, ahead_v; why, and what it measured: q4_int8_avx512.inl).
         // Two groups further ran at 0.98x. Runs of 16 groups a call against one tile a call
         // (session 36, Zen 5, process alternation, two-tier at 32k tokens; the per-call overhead
         // of run_heads and the table entry): 1.02-1.05x with 1 thread, 1.05-1.09x with 2 (with
-        // the unrolled first pass of kernels_avx512vnni.cpp), 1.02x on AVX2. Runs of 8 measured
+        // the unrolled first pass of q4_int8_avx512.inl), 1.02x on AVX2. Runs of 8 measured
         // within noise of 16, runs of 4 0.98-0.99x of 8. Session 31 had measured four groups a
         // call at 1.017x with 1 thread but 0.93x with 2 (BM_attend_paired). (This VM's hardware
         // prefetchers do not follow the step's reads: without software prefetch, attend ran at

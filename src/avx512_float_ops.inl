@@ -1,6 +1,6 @@
 // The float-lane operations that exp2_simd.inl needs, on AVX-512 (16 lanes): the base of
 // attend_avx512.cpp's vector interface for the softmax step, and the whole of
-// kernels_avx512vnni.cpp's for its fused Q4 step. Included inside each file's anonymous namespace.
+// q4_int8_avx512.inl's for its fused Q4 step. Included inside each file's anonymous namespace.
 struct avx512_float_ops {
   using vf = __m512;
   static vf set1(float x) { return _mm512_set1_ps(x); }

@@ -1,5 +1,5 @@
 // 2^x for x <= 0 on a vector type, shared by attend()'s softmax step (attend_softmax_simd.inl) and
-// the fused Q4 steps of kernels_avx512vnni.cpp and q4_attend_step.inl: included inside the
+// the fused Q4 steps of q4_int8_avx512.inl and q4_attend_step.inl: included inside the
 // includer's namespace after it defines the vector interface `S` (vf, set1, max, round, sub, mul,
 // fmadd, pow2: see avx512_float_ops.inl, avx2_float_ops.inl).
 

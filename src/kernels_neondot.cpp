@@ -7,7 +7,7 @@
 // file's anonymous namespace (see kernels_internal.hpp) except the entry points, which neon::get()
 // installs only where the CPU reports the extension (HWCAP_ASIMDDP).
 //
-// The arithmetic is that of q4_int8_avx2.inl (see there and kernels_avx512vnni.cpp): the folded
+// The arithmetic is that of q4_int8_avx2.inl (see there and q4_int8_avx512.inl): the folded
 // query as one int8 value per channel on a grid of max|q s| / 127 with the rounding error's share
 // common to all tokens added back; per value column the weights p_t s_t as u8 on a grid of
 // max_t p_t * max_t s_t / 255. A key channel quad (64 bytes) is four vectors here: dword j of

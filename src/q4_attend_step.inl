@@ -3,7 +3,7 @@
 // product (kernels_neondot.cpp, 4 lanes), written once against the vector interface `S`: included
 // inside the includer's anonymous namespace after q4_int8.inl, its scores_nq and values_nq,
 // exp2_simd.inl and `float_kernels()` (the includer's float Q4 table, for keys wider than
-// int8_key_channels). kernels_avx512vnni.cpp has its own, which keep the scores and weights in
+// int8_key_channels). q4_int8_avx512.inl has its own, which keep the scores and weights in
 // registers (32 tokens are two of its vectors).
 //
 // S: vf, vm (a lane mask), W (lanes, 4 or 8: a 32-token group is 32 / W vectors), set1, zero, add,
@@ -77,7 +77,7 @@ void accumulate_int8(const float* p, std::size_t p_stride, std::uint32_t nq, con
 // set-up, as the AVX-512 step then took, measured 0.97-0.98x (attend over a two-tier cache at 32k,
 // 1 thread, in-process alternation): this step is bound by its arithmetic (about half the AVX-512
 // step's speed), not by the stream; so the AVX-512 step's line-for-line prefetch
-// (kernels_avx512vnni.cpp) was not brought here. Not timed on Arm hardware.
+// (q4_int8_avx512.inl) was not brought here. Not timed on Arm hardware.
 
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,

@@ -1,10 +1,10 @@
-// The parts of the int8 Q4 kernels (q4_int8_avx2.inl, kernels_avx512vnni.cpp, kernels_neondot.cpp)
+// The parts of the int8 Q4 kernels (q4_int8_avx2.inl, q4_int8_avx512.inl, kernels_neondot.cpp)
 // that do not depend on the vector width: included inside each file's anonymous namespace (see
 // kernels_internal.hpp).
 //
 // The folded query x_d = q_d * scale_d of each query is carried as one int8 value per channel,
 // Y_d = round(x_d / scale) with scale = max|x| / 127; the rounding error's share common to all
-// tokens, 8 scale sum_d (x_d / scale - Y_d), is added back (see kernels_avx512vnni.cpp). The
+// tokens, 8 scale sum_d (x_d / scale - Y_d), is added back (see q4_int8_avx512.inl). The
 // minimums enter once per query as sum_d q_d m_d.
 
 constexpr unsigned key_chunk = 256;        // channels folded and split to int8 per pass
@@ -100,7 +100,7 @@ inline void scores_q4_by_four(const float* q, std::uint32_t nq, const std::uint8
 
 // The online-softmax step of NQ (1..4) queries over one tile of G (1, 2) Q4 groups with tokens
 // (table::attend_q4): defined by the including file where it has a fused step
-// (kernels_avx512vnni.cpp; q4_attend_step.inl for q4_int8_avx2.inl and kernels_neondot.cpp).
+// (q4_int8_avx512.inl; q4_attend_step.inl for q4_int8_avx2.inl and kernels_neondot.cpp).
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_max, float* run_sum, float* acc,
                line_prefetch& pf);
@@ -147,7 +147,7 @@ inline prefetch_region ahead_region(const q4_group_ref* groups, std::uint32_t co
 // tile's ahead lines (ahead_region of its groups) are spread over the channel quads of the first
 // queries' scores and the token quads of their value columns (all of it in the scores alone,
 // three lines a quad, stalled them; rows of the set-up too measured 0.97-0.98x on AVX2); where it
-// is not, the includer's step prefetches them itself (kernels_avx512vnni.cpp). Tile by tile: one
+// is not, the includer's step prefetches them itself (q4_int8_avx512.inl). Tile by tile: one
 // region over a run of 16 groups, spread over all their rows, ran attend over a two-tier cache at
 // 0.78x on AVX2 (Zen 5, 32k tokens, 1 thread).
 inline void attend_q4_by_tiles(const float* q, std::uint32_t nq, const q4_group_ref* groups, std::uint32_t count,

@@ -16,7 +16,7 @@
 // high nibble, and one widening per eight quads). The integer sums are the same, and so are the
 // results, bit for bit (tests/test_kernels.cpp checks it).
 //
-// The arithmetic is that of kernels_avx512vnni.cpp: the folded query q_d * scale_d is one int8
+// The arithmetic is that of q4_int8_avx512.inl: the folded query q_d * scale_d is one int8
 // value per channel on a grid of max|q s| / 127 per query, the rounding error's share common to
 // all tokens added back, the codes (0..15) the unsigned operand. Values: per query and block
 // column, the weights p_t * scale_t of the tokens summed are u8 on a grid of

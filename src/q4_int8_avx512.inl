@@ -111,6 +111,18 @@
 // tokens/s x 8 heads x 32k): the step's compute and the stream of its bytes take about as long as
 // each other. Tiles of four groups (the keys scored as two pairs, one softmax step and one weight
 // grid over the four, each group prefetching the one four later) measured 0.96x.
+//
+// Measured on Intel Cascade Lake (session 40; a VM with 2 vCPUs at 2.5 GHz, family 6 model 85: VNNI
+// but no VBMI, so the build of kernels_avx512vnni_novbmi.cpp; BM_read about 10 GB/s a core): a
+// two-group tile takes 0.94-0.97 us on cached groups (BM_attend_step/.../l2/g:2: 66-68 M tokens/s,
+// about 3x Zen 5's cycles), 1.4-1.5 us streamed, so attend over a two-tier cache at 32k is bound by
+// both: 0.62-0.72 of BM_read, 2.1-2.3x an f16 cache's speed (the float Q4 kernels: 1.43x). Sampled
+// by perf (cpu-clock), the step's time is 43 % set-up (flat: no instruction above 2.5 % of it), 33 %
+// value dots, 22 % key dots (about one vpdpbusd a cycle). On these cores every software prefetch
+// holds a line fill buffer until its line arrives, as a load does; prefetcht1 holds it for less
+// than prefetcht0 and measured 1.06x (medians of 8 process alternations), so that build's
+// mirror_locality is 2. The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
+// vpdpbusd) ran the step at 28 M tokens/s cached and attend 1.7x slower: not used.
 namespace {
 
 #include "q4_int8.inl"
