@@ -399,7 +399,7 @@ case_result run_case(std::mt19937& rng, shape s, pattern p, const std::vector<st
 // the same sums: same bound. 2e-5 leaves a margin of ~5x over the worst seen across ISAs.
 constexpr double arithmetic_tol = 2e-5;
 
-// The int8 Q4 key scores (kernels::q4_arith::int8: AVX-512 VNNI and VBMI, AVX2, NEON dotprod) carry the
+// The int8 Q4 key scores (kernels::q4_arith::int8: AVX-512 VNNI, AVX2, NEON dotprod) carry the
 // folded query x_d = q_d s_d as one int8 value per channel, with the rounding's share common to
 // all tokens added back: max|x| / 254 * |code_d - 8| per channel at most, in all a standard
 // deviation of about 0.12 max|x| at 128 channels with random rounding, where the Q4 keys
@@ -410,7 +410,7 @@ constexpr double arithmetic_tol = 2e-5;
 // worst seen 6.4e-3 of max|V| (head_dim 80, a short history); 1.5e-2 keeps a 2x margin.
 constexpr double int8_keys_tol = 1.5e-2;
 
-// The int8 Q4 value sums (kernels::q4_arith::int8: AVX-512 VNNI and VBMI, AVX2, NEON dotprod; every head_dim) round
+// The int8 Q4 value sums (kernels::q4_arith::int8: AVX-512 VNNI, AVX2, NEON dotprod; every head_dim) round
 // each weight p_t * s_t of a 32-token tile to a u8 grid of max p * max s / 255:
 // half a step times |code - 8| <= 8 is 0.0157 max p * max s per token, and max|V| >= 7.5 s of a
 // block, so a token carries at most 2.1e-3 of max|V| per unit of the tile's largest weight. A
