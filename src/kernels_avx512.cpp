@@ -201,6 +201,16 @@ table with_score_width() noexcept {
   return x;
 }
 
+// with_score_width() with int8 Q4 kernels.
+table with_int8_q4(scores_q4_fn* scores, accumulate_q4_fn* accumulate, attend_q4_fn* attend) noexcept {
+  table x = with_score_width();
+  x.scores_q4 = scores;
+  x.accumulate_q4 = accumulate;
+  x.attend_q4 = attend;
+  x.q4 = x.q4_values = q4_arith::int8;
+  return x;
+}
+
 bool has_vnni() noexcept {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni");
@@ -218,15 +228,8 @@ bool has_vbmi() noexcept {
 // 1 thread ran at 1.43x an f16 cache's speed with the float Q4 kernels and 2.2-2.3x with these
 // (scripts/perf_report.sh, session 40; paired steps 2.10x).
 const table* int8_without_vbmi() noexcept {
-  static const table t = [] {
-    table x = with_score_width();
-    x.scores_q4 = avx512vnni_novbmi::scores_q4;
-    x.accumulate_q4 = avx512vnni_novbmi::accumulate_q4;
-    x.attend_q4 = avx512vnni_novbmi::attend_q4;
-    x.q4_values = q4_arith::int8;
-    x.q4 = q4_arith::int8;
-    return x;
-  }();
+  static const table t = with_int8_q4(avx512vnni_novbmi::scores_q4, avx512vnni_novbmi::accumulate_q4,
+                                      avx512vnni_novbmi::attend_q4);
   static const bool vnni = has_vnni();
   return vnni ? &t : nullptr;
 }
@@ -234,15 +237,7 @@ const table* int8_without_vbmi() noexcept {
 // With VNNI and VBMI the kernels on vpermt2b; with VNNI alone the very table int8_without_vbmi()
 // gives (find_without_vbmi's contract); else the float Q4 kernels.
 const table& get() noexcept {
-  static const table vbmi = [] {
-    table x = with_score_width();
-    x.scores_q4 = avx512vnni::scores_q4;
-    x.accumulate_q4 = avx512vnni::accumulate_q4;
-    x.attend_q4 = avx512vnni::attend_q4;
-    x.q4_values = q4_arith::int8;
-    x.q4 = q4_arith::int8;
-    return x;
-  }();
+  static const table vbmi = with_int8_q4(avx512vnni::scores_q4, avx512vnni::accumulate_q4, avx512vnni::attend_q4);
   static const table plain = with_score_width();
   static const bool vnni = has_vnni(), both = vnni && has_vbmi();
   if (both) return vbmi;
