@@ -354,10 +354,13 @@ void add(const std::string& name, F f) {
       }
     }
     // Where the fastest table is int8 for Q4, the float Q4 kernels too, and the int8 ones without
-    // VNNI (AVX2: vpmaddubsw) where the CPU has VNNI, to compare.
+    // VNNI (AVX2: vpmaddubsw) where the CPU has VNNI, and without VBMI (AVX-512: two vpmovdb for
+    // one vpermt2b) where it has VBMI, to compare.
     const kernels::table* tf = kernels::find(i, kernels::q4_arith::float32);
     const kernels::table* tp = kernels::find_without_vnni(i);
-    for (const auto& variant : {std::pair{tf, "_float32"}, std::pair{tp, "_int8_novnni"}}) {
+    const kernels::table* tv = kernels::find_without_vbmi(i);
+    for (const auto& variant :
+         {std::pair{tf, "_float32"}, std::pair{tp, "_int8_novnni"}, std::pair{tv, "_int8_novbmi"}}) {
       const kernels::table* other = variant.first;  // a variable, not a binding: clang 14 captures no bindings
       const char* name = variant.second;
       if (other == nullptr || other == t) continue;

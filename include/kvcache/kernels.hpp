@@ -22,8 +22,8 @@ enum class q4_arith : std::uint8_t {
   /// rounding error's share common to the group's tokens (8 scale sum_d e_d) added back: at most
   /// max_d |x_d| / 254 * |c_d - 8| of error per channel d of a token with code c_d (plus float
   /// rounding). That is well below the Q4 keys' own error (see q4_int8_avx512.inl).
-  /// AVX-512 with VNNI (with or without VBMI: the same results), every AVX2 CPU (vpdpbusd with AVX-VNNI, vpmaddubsw without;
-  /// the same results), and aarch64 with the dot product extension (FEAT_DotProd: sdot, udot),
+  /// AVX-512 with VNNI (with or without VBMI: the same results), every AVX2 CPU (vpdpbusd with
+  /// AVX-VNNI, vpmaddubsw without; the same results), and aarch64 with the dot product extension (FEAT_DotProd: sdot, udot),
   /// head_dim up to 16384 (float beyond).
   /// Values (the same CPUs, every head_dim): per group, query and block column g,
   /// the weights w_t = p_t * scale_t of the tokens summed are rounded to u8 on a grid of
