@@ -328,27 +328,17 @@ class contiguous_cache<cpu> {
     for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) s.chunks[l].tokens = static_cast<std::uint32_t>(s.length);
   }
 
-  // Copies n rows of head_dim elements from a token-major source (row stride token_width) into
-  // one head's slots: f32 <- f32 / f16 <- f16 copy, f16 <- f32 and f32 <- f16 convert.
-  static void store_rows(const kernels::table& kt, const float* src, std::size_t src_stride, std::size_t rows,
-                         std::uint32_t head_dim, format storage, std::byte* dst) noexcept {
-    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
-    if (storage == format::f32) {
-      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
-    } else {
-      for (std::size_t t = 0; t < rows; ++t)
-        kt.f32_to_f16(src + t * src_stride, reinterpret_cast<half*>(dst + t * row_bytes), head_dim);
-    }
+  // Copies one row of head_dim elements into a head's slot: f32 <- f32 / f16 <- f16 copy,
+  // f16 <- f32 and f32 <- f16 convert.
+  static void store_row(const kernels::table& kt, const float* src, std::uint32_t head_dim, format storage,
+                        std::byte* dst) noexcept {
+    if (storage == format::f32) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(float));
+    else kt.f32_to_f16(src, reinterpret_cast<half*>(dst), head_dim);
   }
-  static void store_rows(const kernels::table& kt, const half* src, std::size_t src_stride, std::size_t rows,
-                         std::uint32_t head_dim, format storage, std::byte* dst) noexcept {
-    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
-    if (storage == format::f16) {
-      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
-    } else {
-      for (std::size_t t = 0; t < rows; ++t)
-        kt.f16_to_f32(src + t * src_stride, reinterpret_cast<float*>(dst + t * row_bytes), head_dim);
-    }
+  static void store_row(const kernels::table& kt, const half* src, std::uint32_t head_dim, format storage,
+                        std::byte* dst) noexcept {
+    if (storage == format::f16) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(half));
+    else kt.f16_to_f32(src, reinterpret_cast<float*>(dst), head_dim);
   }
 
   [[nodiscard]] result<seq_id> copy_prefix_impl(seq_id src_id, std::size_t n, bool all, const char* what) {
@@ -388,11 +378,19 @@ class contiguous_cache<cpu> {
     const std::size_t first = s.length * g.head_dim * dense_element_bytes(cfg_.storage);  // slot offset in a head
     std::byte* kd = s.storage.get() + (2 * static_cast<std::size_t>(layer)) * buffer_bytes_ + first;
     std::byte* vd = s.storage.get() + (2 * static_cast<std::size_t>(layer) + 1) * buffer_bytes_ + first;
+    const std::size_t row_bytes = std::size_t{g.head_dim} * dense_element_bytes(cfg_.storage);
     const kernels::table& kt = kernels::active();
-    for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-      const std::size_t src_off = static_cast<std::size_t>(h) * g.head_dim;
-      store_rows(kt, k.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, kd + h * c.k_head_stride);
-      store_rows(kt, v.data() + src_off, tw, s.pending, g.head_dim, cfg_.storage, vd + h * c.v_head_stride);
+    // Token-outer, head-inner: the source ([token][kv_head][head_dim]) is read front to back and
+    // each head's slots are written front to back. Head-outer (one strided sweep of the source
+    // per head) ran at 0.6 of memcpy on Cascade Lake against 0.9: with 8 heads x 128 f32 the
+    // source stride is 4 KiB, and Intel's L2 streamer does not follow a stream across 4 KiB.
+    for (std::size_t t = 0; t < s.pending; ++t) {
+      const T* ks = k.data() + t * tw;
+      const T* vs = v.data() + t * tw;
+      for (std::uint32_t h = 0; h < g.kv_heads; ++h)
+        store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage, kd + h * c.k_head_stride + t * row_bytes);
+      for (std::uint32_t h = 0; h < g.kv_heads; ++h)
+        store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage, vd + h * c.v_head_stride + t * row_bytes);
     }
     if (!s.written[layer]) {
       s.written[layer] = true;

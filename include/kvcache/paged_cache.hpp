@@ -733,29 +733,16 @@ class paged_cache<cpu> {
   };
   [[nodiscard]] block_copier copier() const noexcept { return {book_.pool.get()}; }
 
-  // Copies n rows of head_dim elements from a token-major source (row stride src_stride) into
-  // consecutive rows at dst, converting to the storage format.
-  static void store_rows(const float* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
-                         format storage, std::byte* dst) noexcept {
-    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
-    if (storage == format::f32) {
-      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
-    } else {
-      const kernels::table& kt = kernels::active();
-      for (std::size_t t = 0; t < rows; ++t)
-        kt.f32_to_f16(src + t * src_stride, reinterpret_cast<half*>(dst + t * row_bytes), head_dim);
-    }
+  // Copies one row of head_dim elements to dst, converting to the storage format.
+  static void store_row(const kernels::table& kt, const float* src, std::uint32_t head_dim, format storage,
+                        std::byte* dst) noexcept {
+    if (storage == format::f32) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(float));
+    else kt.f32_to_f16(src, reinterpret_cast<half*>(dst), head_dim);
   }
-  static void store_rows(const half* src, std::size_t src_stride, std::size_t rows, std::uint32_t head_dim,
-                         format storage, std::byte* dst) noexcept {
-    const std::size_t row_bytes = static_cast<std::size_t>(head_dim) * dense_element_bytes(storage);
-    if (storage == format::f16) {
-      for (std::size_t t = 0; t < rows; ++t) std::memcpy(dst + t * row_bytes, src + t * src_stride, row_bytes);
-    } else {
-      const kernels::table& kt = kernels::active();
-      for (std::size_t t = 0; t < rows; ++t)
-        kt.f16_to_f32(src + t * src_stride, reinterpret_cast<float*>(dst + t * row_bytes), head_dim);
-    }
+  static void store_row(const kernels::table& kt, const half* src, std::uint32_t head_dim, format storage,
+                        std::byte* dst) noexcept {
+    if (storage == format::f16) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(half));
+    else kt.f16_to_f32(src, reinterpret_cast<float*>(dst), head_dim);
   }
 
   template <class T>
@@ -771,20 +758,26 @@ class paged_cache<cpu> {
     const format fmt = p.storage();
     const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dense_element_bytes(fmt);
     const std::size_t end = s.length + s.pending;
-    // Head-outer, block-inner: each head's source rows are read in one long constant-stride
-    // sweep (as the contiguous cache does), which the hardware prefetchers follow far better
-    // than short per-block sweeps; the destination is a run of up to B contiguous rows.
-    for (std::uint32_t h = 0; h < g.kv_heads; ++h) {
-      for (std::size_t pos = s.length; pos < end;) {
-        const std::size_t off = pos % B;
-        const std::size_t run = std::min(B - off, end - pos);
-        const std::uint32_t b = s.blocks[pos / B];
-        const std::size_t dst = h * p.head_stride() + off * row_bytes;  // block: [kv_head][token B][head_dim]
-        const std::size_t src = (pos - s.length) * tw + static_cast<std::size_t>(h) * g.head_dim;  // [token][kv_head][head_dim]
-        store_rows(k.data() + src, tw, run, g.head_dim, fmt, p.k_block(layer, b) + dst);
-        store_rows(v.data() + src, tw, run, g.head_dim, fmt, p.v_block(layer, b) + dst);
-        pos += run;
+    const kernels::table& kt = kernels::active();
+    // Token-outer, head-inner (as the contiguous cache): the source ([token][kv_head][head_dim])
+    // is read front to back, each head's rows of a block are written front to back. Head-outer
+    // ran at 0.6 of memcpy on Cascade Lake (a 4 KiB source stride: Intel's L2 streamer does not
+    // follow a stream across 4 KiB), block-outer head-inner at 0.75, this at 0.9.
+    for (std::size_t pos = s.length; pos < end;) {
+      const std::size_t off = pos % B;
+      const std::size_t run = std::min(B - off, end - pos);
+      const std::uint32_t b = s.blocks[pos / B];
+      std::byte* kb = p.k_block(layer, b) + off * row_bytes;  // block: [kv_head][token B][head_dim]
+      std::byte* vb = p.v_block(layer, b) + off * row_bytes;
+      for (std::size_t t = 0; t < run; ++t) {
+        const T* ks = k.data() + (pos - s.length + t) * tw;
+        const T* vs = v.data() + (pos - s.length + t) * tw;
+        for (std::uint32_t h = 0; h < g.kv_heads; ++h)
+          store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, fmt, kb + h * p.head_stride() + t * row_bytes);
+        for (std::uint32_t h = 0; h < g.kv_heads; ++h)
+          store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, fmt, vb + h * p.head_stride() + t * row_bytes);
       }
+      pos += run;
     }
     if (!s.written[layer]) {
       s.written[layer] = 1;
