@@ -94,9 +94,12 @@ void transpose4(b16* r) {
 // codes of every 4 tokens go to one 64-byte token quad at codes + 64 (k / 4): 32-bit lane j of
 // the quad holds byte j (channel j | channel j + 16 << 4) of its tokens r at bits 8 r. keep:
 // those lanes' bits of channels below n.
+// Full: count == W and n == 32, compiled without the per-token tests.
+template <bool Full>
 void quantize_value_tokens(const half* src, std::size_t stride, unsigned count, unsigned n, const vi* keep,
                            std::uint8_t* codes, half* scales, half* mins) {
   constexpr unsigned R = 32 / W, H = 16 / W;
+  if constexpr (Full) count = W, n = 32;
   half pad[W][32];
   const half* x[W];
   vf mnv[W], mxv[W];
@@ -143,19 +146,22 @@ void quantize_value_tokens(const half* src, std::size_t stride, unsigned count, 
     }
 }
 
+// Token-outer: W tokens' rows are read (every 32-channel group of them) before the next W tokens'.
 void quantize_values(const half* src, std::size_t src_stride, std::uint32_t tokens,
                      std::uint32_t head_dim, std::uint8_t* dst) {
   constexpr unsigned H = 16 / W;
   const unsigned nb = (head_dim + 31u) / 32u;
   auto* scales = reinterpret_cast<half*>(dst + q4_value_scales_offset(head_dim));
   auto* mins = reinterpret_cast<half*>(dst + q4_value_mins_offset(head_dim));
-  for (unsigned g = 0; g < nb; ++g) {
-    const unsigned n = umin(32u, head_dim - g * 32u);
-    alignas(64) std::uint32_t bits[16];  // per byte j: the nibbles of channels j, j + 16 below n
-    for (unsigned j = 0; j < 16; ++j) bits[j] = ((j < n ? 0x0fu : 0u) | (j + 16 < n ? 0xf0u : 0u)) * 0x01010101u;
-    vi keep[H];
-    for (unsigned h = 0; h < H; ++h) keep[h] = V::load_i(reinterpret_cast<const std::uint8_t*>(bits + h * W));
-    for (unsigned t0 = 0; t0 < 32; t0 += W) {
+  // The last group's channel mask (all its lanes, unless head_dim is not a multiple of 32).
+  const unsigned n_last = head_dim - (nb - 1u) * 32u;
+  alignas(64) std::uint32_t bits[16];  // per byte j: the nibbles of channels j, j + 16 below n_last
+  for (unsigned j = 0; j < 16; ++j) bits[j] = ((j < n_last ? 0x0fu : 0u) | (j + 16 < n_last ? 0xf0u : 0u)) * 0x01010101u;
+  vi keep[H];
+  for (unsigned h = 0; h < H; ++h) keep[h] = V::load_i(reinterpret_cast<const std::uint8_t*>(bits + h * W));
+  for (unsigned t0 = 0; t0 < 32; t0 += W) {
+    for (unsigned g = 0; g < nb; ++g) {
+      const unsigned n = umin(32u, head_dim - g * 32u);
       std::uint8_t* codes = dst + 512u * g + 16u * t0;  // token quad t0 / 4
       if (t0 >= tokens) {  // no token here: codes, scales and minimums 0
         __builtin_memset(codes, 0, 16u * W);
@@ -163,25 +169,38 @@ void quantize_values(const half* src, std::size_t src_stride, std::uint32_t toke
         __builtin_memset(mins + 32u * g + t0, 0, 2u * W);
         continue;
       }
-      quantize_value_tokens(src + t0 * src_stride + g * 32u, src_stride, umin(W, tokens - t0), n, keep, codes,
-                            scales + 32u * g + t0, mins + 32u * g + t0);
+      const unsigned count = umin(W, tokens - t0);
+      const auto q = count == W && n == 32 ? quantize_value_tokens<true> : quantize_value_tokens<false>;
+      q(src + t0 * src_stride + g * 32u, src_stride, count, n, keep, codes, scales + 32u * g + t0, mins + 32u * g + t0);
     }
   }
 }
 
-// Key channels [0, 16) of a group: src [tokens][stride], all 16 channels readable; their 4
-// channel quads at codes (256 bytes), 16 scales and 16 minimums.
-void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, std::uint8_t* codes, half* scales,
-                     half* mins) {
-  constexpr unsigned C = 16 / W;  // vectors per row of 16 channels
-  vf mn[C], mx[C];
-  for (unsigned c = 0; c < C; ++c) mn[c] = mx[c] = V::load(src + c * W);
+// Vectors of channels whose minimum and maximum one sweep over a key group's rows tracks: two
+// accumulators each, so 8 vectors keep 16 registers (AVX-512 and NEON have 32; AVX2's 16 hold 4).
+constexpr unsigned key_range_vecs = W == 8 ? 4 : 8;
+
+// Minimum and maximum over tokens [0, tokens) of the N vectors of channels at src (rows of stride
+// halves): one front-to-back sweep of the rows, every accumulator its own dependency chain.
+template <unsigned N>
+void key_ranges(const half* src, std::size_t stride, unsigned tokens, vf* mn, vf* mx) {
+  for (unsigned c = 0; c < N; ++c) mn[c] = mx[c] = V::load(src + c * W);
   for (unsigned t = 1; t < tokens; ++t)
-    for (unsigned c = 0; c < C; ++c) {
+    for (unsigned c = 0; c < N; ++c) {
       const vf x = V::load(src + t * stride + c * W);
       mn[c] = V::min(mn[c], x);
       mx[c] = V::max(mx[c], x);
     }
+}
+
+// Key channels [0, 16) of a group whose ranges are known: src [tokens][stride]; their 4 channel
+// quads at codes (256 bytes), 16 scales and 16 minimums. Full: tokens == 32 (every migration),
+// compiled without the per-token tests.
+template <bool Full>
+void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, const vf* mn, const vf* mx,
+                     std::uint8_t* codes, half* scales, half* mins) {
+  if constexpr (Full) tokens = 32;
+  constexpr unsigned C = 16 / W;  // vectors per row of 16 channels
   vf minf[C], inv[C];
   for (unsigned c = 0; c < C; ++c) {
     minf[c] = V::add(mn[c], V::zero());  // -0 -> +0, as the scalar fit
@@ -212,14 +231,31 @@ void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, std::
   }
 }
 
+// The rows are read twice: once front to back for the channel ranges (key_range_vecs at a time,
+// so a 128-channel head is one sweep on AVX-512), then per 16 channels for the codes, from L1.
+// Ranges per 16 channels, one 16-byte-strided sweep each, read at 0.25 of the streaming
+// bandwidth on Cascade Lake (one dependency chain per accumulator, 32 rows at a 256-byte stride).
 void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens,
                    std::uint32_t head_dim, std::uint8_t* dst) {
   if (tokens == 0) return;
+  constexpr unsigned C = 16 / W, R = key_range_vecs;
   const unsigned ch = (head_dim + 3u) / 4u * 4u;  // q4_key_channels
   auto* scales = reinterpret_cast<half*>(dst + q4_key_scales_offset(head_dim));
   auto* mins = reinterpret_cast<half*>(dst + q4_key_mins_offset(head_dim));
+  vf mn[R], mx[R];
   unsigned d = 0;
-  for (; d + 16 <= head_dim; d += 16) quantize_keys16(src + d, src_stride, tokens, dst + 16 * d, scales + d, mins + d);
+  for (; d + R * W <= head_dim; d += R * W) {
+    key_ranges<R>(src + d, src_stride, tokens, mn, mx);
+    for (unsigned c = 0; c < R; c += C) {
+      const auto q = tokens == 32 ? quantize_keys16<true> : quantize_keys16<false>;
+      q(src + d + c * W, src_stride, tokens, mn + c, mx + c, dst + 16 * (d + c * W), scales + d + c * W,
+        mins + d + c * W);
+    }
+  }
+  for (; d + 16 <= head_dim; d += 16) {
+    key_ranges<C>(src + d, src_stride, tokens, mn, mx);
+    quantize_keys16<false>(src + d, src_stride, tokens, mn, mx, dst + 16 * d, scales + d, mins + d);
+  }
   if (d < head_dim) {  // ragged channel tail through a zero-padded copy (its padding: codes, scales, mins 0)
     const unsigned n = head_dim - d;
     half buf[32 * 16];  // [token][16 channels]
@@ -227,7 +263,8 @@ void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens
       for (unsigned c = 0; c < 16; ++c) buf[t * 16 + c] = c < n ? src[t * src_stride + d + c] : half{0};
     alignas(16) std::uint8_t codes[256];
     half s[16], m[16];
-    quantize_keys16(buf, 16, tokens, codes, s, m);
+    key_ranges<C>(buf, 16, tokens, mn, mx);
+    quantize_keys16<false>(buf, 16, tokens, mn, mx, codes, s, m);
     __builtin_memcpy(dst + 16 * d, codes, 16 * (ch - d));  // the quads up to the padded width
     __builtin_memcpy(scales + d, s, 2 * (ch - d));
     __builtin_memcpy(mins + d, m, 2 * (ch - d));
