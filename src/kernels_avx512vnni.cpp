@@ -17,10 +17,10 @@
 namespace kvcache::kernels::avx512vnni {
 namespace {
 
-// Byte 0 of each dword of a, then of b: 32 bytes, in lane order (order: q4_int8_avx512.inl's
-// low_bytes index, loaded once per loop).
-inline __m256i low_bytes_of(__m512i a, __m512i order, __m512i b) {
-  return _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, order, b));
+// Byte 0 of each dword of a, then of b: 32 bytes to p (32-byte aligned), in lane order (order:
+// q4_int8_avx512.inl's low_bytes index, loaded once per loop).
+inline void store_low_bytes(void* p, __m512i a, __m512i order, __m512i b) {
+  _mm256_store_si256(static_cast<__m256i*>(p), _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, order, b)));
 }
 
 // The fused step's prefetches (mirror) go to L1: on Zen 5 into L2 measured 0.76x (the value

@@ -1,7 +1,7 @@
 // Q4 key scores and value sums of decode attention in integer arithmetic, for CPUs with AVX-512
 // VNNI (vpdpbusd: 64 u8 x s8 products per instruction). Included by kernels_avx512vnni.cpp (with
-// VBMI: low_bytes_of on vpermt2b) and kernels_avx512vnni_novbmi.cpp (without: two vpmovdb), inside
-// their namespaces after their low_bytes_of: everything stays in an anonymous namespace (see
+// VBMI: store_low_bytes on vpermt2b) and kernels_avx512vnni_novbmi.cpp (without: two vpmovdb),
+// inside their namespaces after their store_low_bytes: everything stays in an anonymous namespace (see
 // kernels_internal.hpp) except the entry points, which avx512::get() installs on CPUs with VNNI.
 // The two builds sum the same integers, so their results are the same bit for bit.
 //
@@ -148,7 +148,7 @@ inline __m512 halves(const std::uint8_t* p, unsigned n) {
 // with no conversion and no packing.
 constexpr float round_magic = 12582912.0f;
 
-// vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order (low_bytes_of).
+// vpermt2b index taking byte 0 of each dword of two vectors: 32 bytes, in lane order (store_low_bytes).
 constexpr byte_index make_low_bytes() {
   byte_index x{};
   for (int o = 0; o < 64; ++o) x.b[o] = static_cast<std::uint8_t>(4 * (o & 31));
@@ -377,8 +377,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
           const __m512 mg = _mm512_set1_ps(round_magic);
           const __m512i y0 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][0], k1, mg));
           const __m512i y1 = _mm512_castps_si512(_mm512_fmadd_ps(x[i][1], k1, mg));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(ys[gi][i] + j),
-                             low_bytes_of(y0, order, y1));
+          store_low_bytes(ys[gi][i] + j, y0, order, y1);
           // sum_d Y_d on the integer pipes: the bits of magic + Y are those of magic plus Y.
           ysum[gi][i] = _mm512_add_epi32(ysum[gi][i], _mm512_add_epi32(y0, y1));
         }
@@ -658,8 +657,7 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G
           for (unsigned i = 0; i < NQ; ++i) {
             const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi], sl, mg));
             const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(u[i][2 * gi + 1], sh, mg));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(cw.w[i][c] + 32 * gi),
-                               low_bytes_of(w0, order, w1));
+            store_low_bytes(cw.w[i][c] + 32 * gi, w0, order, w1);
             bsum[i] = _mm512_fmadd_ps(u[i][2 * gi], m8l, _mm512_fmadd_ps(u[i][2 * gi + 1], m8h, bsum[i]));
           }
         }
