@@ -177,7 +177,7 @@ void quantize_values(const half* src, std::size_t src_stride, std::uint32_t toke
 }
 
 // Vectors of channels whose minimum and maximum one sweep over a key group's rows tracks: two
-// accumulators each, so 8 vectors keep 16 registers (AVX-512 and NEON have 32; AVX2's 16 hold 4).
+// accumulators each: 8 vectors take 16 of the 32 registers of AVX-512 and NEON; AVX2 has 16, so 4.
 constexpr unsigned key_range_vecs = W == 8 ? 4 : 8;
 
 // Minimum and maximum over tokens [0, tokens) of the N vectors of channels at src (rows of stride
@@ -233,8 +233,9 @@ void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, const
 
 // The rows are read twice: once front to back for the channel ranges (key_range_vecs at a time,
 // so a 128-channel head is one sweep on AVX-512), then per 16 channels for the codes, from L1.
-// Ranges per 16 channels, one 16-byte-strided sweep each, read at 0.25 of the streaming
-// bandwidth on Cascade Lake (one dependency chain per accumulator, 32 rows at a 256-byte stride).
+// Before (session 41), the ranges took one sweep per 16 channels (32 bytes of each row at the
+// row stride, one dependency chain per accumulator): on Cascade Lake 39 % of the time sat on
+// that loop's load (bench/PERFORMANCE.md).
 void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens,
                    std::uint32_t head_dim, std::uint8_t* dst) {
   if (tokens == 0) return;
