@@ -26,6 +26,7 @@
 #include <kvcache/detail/id_table.hpp>
 #include <kvcache/detail/storage.hpp>
 #include <kvcache/detail/protocol_checks.hpp>
+#include <kvcache/detail/store_row.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -328,19 +329,6 @@ class contiguous_cache<cpu> {
     for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l) s.chunks[l].tokens = static_cast<std::uint32_t>(s.length);
   }
 
-  // Copies one row of head_dim elements into a head's slot: f32 <- f32 / f16 <- f16 copy,
-  // f16 <- f32 and f32 <- f16 convert.
-  static void store_row(const kernels::table& kt, const float* src, std::uint32_t head_dim, format storage,
-                        std::byte* dst) noexcept {
-    if (storage == format::f32) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(float));
-    else kt.f32_to_f16(src, reinterpret_cast<half*>(dst), head_dim);
-  }
-  static void store_row(const kernels::table& kt, const half* src, std::uint32_t head_dim, format storage,
-                        std::byte* dst) noexcept {
-    if (storage == format::f16) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(half));
-    else kt.f16_to_f32(src, reinterpret_cast<float*>(dst), head_dim);
-  }
-
   [[nodiscard]] result<seq_id> copy_prefix_impl(seq_id src_id, std::size_t n, bool all, const char* what) {
     result<std::uint32_t> src_slot = ids_.slot(src_id, what);
     KVCACHE_TRY(src_slot);
@@ -388,9 +376,11 @@ class contiguous_cache<cpu> {
       const T* ks = k.data() + t * tw;
       const T* vs = v.data() + t * tw;
       for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-        store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage, kd + h * c.k_head_stride + t * row_bytes);
+        detail::store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage,
+                          kd + h * c.k_head_stride + t * row_bytes);
       for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-        store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage, vd + h * c.v_head_stride + t * row_bytes);
+        detail::store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, cfg_.storage,
+                          vd + h * c.v_head_stride + t * row_bytes);
     }
     if (!s.written[layer]) {
       s.written[layer] = true;

@@ -26,6 +26,7 @@
 #include <kvcache/view.hpp>
 #include <kvcache/detail/id_table.hpp>
 #include <kvcache/detail/protocol_checks.hpp>
+#include <kvcache/detail/store_row.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -733,18 +734,6 @@ class paged_cache<cpu> {
   };
   [[nodiscard]] block_copier copier() const noexcept { return {book_.pool.get()}; }
 
-  // Copies one row of head_dim elements to dst, converting to the storage format.
-  static void store_row(const kernels::table& kt, const float* src, std::uint32_t head_dim, format storage,
-                        std::byte* dst) noexcept {
-    if (storage == format::f32) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(float));
-    else kt.f32_to_f16(src, reinterpret_cast<half*>(dst), head_dim);
-  }
-  static void store_row(const kernels::table& kt, const half* src, std::uint32_t head_dim, format storage,
-                        std::byte* dst) noexcept {
-    if (storage == format::f16) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(half));
-    else kt.f16_to_f32(src, reinterpret_cast<float*>(dst), head_dim);
-  }
-
   template <class T>
   [[nodiscard]] result<void> write_impl(seq_id id, std::uint32_t layer, std::span<const T> k, std::span<const T> v) {
     result<std::uint32_t> slot = book_.ids.slot(id, "write: unknown sequence");
@@ -773,9 +762,11 @@ class paged_cache<cpu> {
         const T* ks = k.data() + (pos - s.length + t) * tw;
         const T* vs = v.data() + (pos - s.length + t) * tw;
         for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-          store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, fmt, kb + h * p.head_stride() + t * row_bytes);
+          detail::store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, fmt,
+                            kb + h * p.head_stride() + t * row_bytes);
         for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-          store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, fmt, vb + h * p.head_stride() + t * row_bytes);
+          detail::store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, fmt,
+                            vb + h * p.head_stride() + t * row_bytes);
       }
       pos += run;
     }
