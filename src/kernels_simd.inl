@@ -245,17 +245,16 @@ void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens
   auto* mins = reinterpret_cast<half*>(dst + q4_key_mins_offset(head_dim));
   vf mn[R], mx[R];
   unsigned d = 0;
+  const auto keys16 = tokens == 32 ? quantize_keys16<true> : quantize_keys16<false>;
   for (; d + R * W <= head_dim; d += R * W) {
     key_ranges<R>(src + d, src_stride, tokens, mn, mx);
-    for (unsigned c = 0; c < R; c += C) {
-      const auto q = tokens == 32 ? quantize_keys16<true> : quantize_keys16<false>;
-      q(src + d + c * W, src_stride, tokens, mn + c, mx + c, dst + 16 * (d + c * W), scales + d + c * W,
-        mins + d + c * W);
-    }
+    for (unsigned c = 0; c < R; c += C)
+      keys16(src + d + c * W, src_stride, tokens, mn + c, mx + c, dst + 16 * (d + c * W), scales + d + c * W,
+             mins + d + c * W);
   }
   for (; d + 16 <= head_dim; d += 16) {
     key_ranges<C>(src + d, src_stride, tokens, mn, mx);
-    quantize_keys16<false>(src + d, src_stride, tokens, mn, mx, dst + 16 * d, scales + d, mins + d);
+    keys16(src + d, src_stride, tokens, mn, mx, dst + 16 * d, scales + d, mins + d);
   }
   if (d < head_dim) {  // ragged channel tail through a zero-padded copy (its padding: codes, scales, mins 0)
     const unsigned n = head_dim - d;
