@@ -99,7 +99,10 @@ template <bool Full>
 void quantize_value_tokens(const half* src, std::size_t stride, unsigned count, unsigned n, const vi* keep,
                            std::uint8_t* codes, half* scales, half* mins) {
   constexpr unsigned R = 32 / W, H = 16 / W;
-  if constexpr (Full) count = W, n = 32;
+  if constexpr (Full) {
+    count = W;
+    n = 32;
+  }
   half pad[W][32];
   const half* x[W];
   vf mnv[W], mxv[W];

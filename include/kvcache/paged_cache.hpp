@@ -759,14 +759,9 @@ class paged_cache<cpu> {
       std::byte* kb = p.k_block(layer, b) + off * row_bytes;  // block: [kv_head][token B][head_dim]
       std::byte* vb = p.v_block(layer, b) + off * row_bytes;
       for (std::size_t t = 0; t < run; ++t) {
-        const T* ks = k.data() + (pos - s.length + t) * tw;
-        const T* vs = v.data() + (pos - s.length + t) * tw;
-        for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-          detail::store_row(kt, ks + std::size_t{h} * g.head_dim, g.head_dim, fmt,
-                            kb + h * p.head_stride() + t * row_bytes);
-        for (std::uint32_t h = 0; h < g.kv_heads; ++h)
-          detail::store_row(kt, vs + std::size_t{h} * g.head_dim, g.head_dim, fmt,
-                            vb + h * p.head_stride() + t * row_bytes);
+        const std::size_t src = (pos - s.length + t) * tw;
+        detail::store_token(kt, k.data() + src, g.kv_heads, g.head_dim, fmt, kb + t * row_bytes, p.head_stride());
+        detail::store_token(kt, v.data() + src, g.kv_heads, g.head_dim, fmt, vb + t * row_bytes, p.head_stride());
       }
       pos += run;
     }

@@ -1,7 +1,7 @@
 #pragma once
 /// @file detail/store_row.hpp
-/// Not public API. One row of a write() into a CPU cache's dense storage: copied where the
-/// element types match, converted by the active kernels where they do not.
+/// Not public API. One token of a write() into a CPU cache's dense storage, row by row: copied
+/// where the element types match, converted by the active kernels where they do not.
 
 #include <kvcache/format.hpp>
 #include <kvcache/half.hpp>
@@ -24,6 +24,15 @@ inline void store_row(const kernels::table& kt, const half* src, std::uint32_t h
                       std::byte* dst) noexcept {
   if (fmt == format::f16) std::memcpy(dst, src, std::size_t{head_dim} * sizeof(half));
   else kt.f16_to_f32(src, reinterpret_cast<float*>(dst), head_dim);
+}
+
+/// One token's K or V (kv_heads rows of head_dim, contiguous at src) to head h's row at
+/// dst + h * head_stride, in head order.
+template <class T>
+void store_token(const kernels::table& kt, const T* src, std::uint32_t kv_heads, std::uint32_t head_dim, format fmt,
+                 std::byte* dst, std::size_t head_stride) noexcept {
+  for (std::uint32_t h = 0; h < kv_heads; ++h)
+    store_row(kt, src + std::size_t{h} * head_dim, head_dim, fmt, dst + h * head_stride);
 }
 
 }  // namespace kvcache::detail
