@@ -29,14 +29,28 @@ using namespace kvcache;
 constexpr std::uint32_t kv_heads = 8, head_dim = 128, q_heads = 32;
 const geometry shape{1, kv_heads, head_dim};  // of one layer; the caches of BM_attend hold layers_for(tokens)
 
-// Bytes of f16 K+V a cache of BM_attend and BM_attend_paired holds at least: 4x the L3 of this
-// project's machines (32 MiB), so that no layer is still in cache when its turn comes again.
+// Bytes of K+V a cache of BM_attend and BM_attend_paired holds at least (in its own format: f16,
+// or the two-tier cache's Q4 groups), so that no layer is still in the CPU's caches when its turn
+// comes again: 4x the L3 of this project's first machines (32 MiB). Session 42's Intel VM reports
+// 480 MiB of L3, shared with other guests: a throwaway read of 48 MiB (huge pages, best of 7
+// passes) ran at 25 GB/s, of 96 MiB and more at 16-17 GB/s, its memory's speed. Until session 42
+// the two-tier cache held as many layers as the f16 ones (one at 32k: 41 MiB of Q4), which that
+// L3 kept, and BM_attend/two_tier at 32k ran 1.4x faster than it does from memory.
 constexpr std::size_t stream_bytes = std::size_t{128} << 20;
 
-// Layers of a cache of `tokens` tokens: enough for stream_bytes of f16 K+V.
+// Layers of a cache whose layers hold `layer_bytes` each: enough for stream_bytes.
+std::uint32_t layers_for_bytes(std::size_t layer_bytes) {
+  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer_bytes - 1) / layer_bytes));
+}
+// Of an f16 cache of `tokens` tokens.
 std::uint32_t layers_for(std::size_t tokens) {
-  const std::size_t layer = tokens * shape.token_width() * 2 * sizeof(std::uint16_t);
-  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer - 1) / layer));
+  return layers_for_bytes(tokens * shape.token_width() * 2 * sizeof(std::uint16_t));
+}
+// Of a two-tier cache of `tokens` tokens: its Q4 groups' bytes (the FP16 tail, at most
+// tail_tokens + 31 tokens, not counted).
+std::uint32_t two_tier_layers_for(std::size_t tokens) {
+  const std::size_t groups = std::max<std::size_t>(1, tokens / q4_group);
+  return layers_for_bytes(groups * kv_heads * (q4_key_group_bytes(head_dim) + q4_value_group_bytes(head_dim)));
 }
 geometry shape_of(std::uint32_t layers) { return {layers, kv_heads, head_dim}; }
 
@@ -169,7 +183,7 @@ void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned 
 }
 
 void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_two_tier(layers_for(tokens));
+  auto c = make_two_tier(two_tier_layers_for(tokens));
   if (!c) return state.SkipWithError(c.error().message.c_str());
   run(state, *c, which, tokens, threads);
 }
@@ -180,15 +194,15 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
 // the ratios paged/contiguous and two-tier/f16 of their summed times: on a shared machine whose
 // speed drifts within seconds, steps taken next to each other compare fairer than separate
 // benchmarks' best repetitions (scripts/perf_report.sh prints both). Each cache holds the layers
-// of BM_attend (layers_for) and each round reads the next layer of all three, so that each
-// streams from memory as it does alone.
+// of BM_attend (layers_for, two_tier_layers_for) and each round reads the next layer of all three,
+// so that each streams from memory as it does alone.
 void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
   const std::uint32_t layers = layers_for(tokens);
   auto cc = make_contiguous(tokens, layers);
   auto pg = make_paged(tokens, 16, layers);
-  auto tt = make_two_tier(layers);
+  auto tt = make_two_tier(two_tier_layers_for(tokens));
   if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
   const std::optional<std::vector<layer_view>> views[3] = {filled_views(*cc, tokens), filled_views(*pg, tokens),
                                                             filled_views(*tt, tokens)};
@@ -206,7 +220,7 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
     for (std::size_t j = 0; j < 3 && !failed; ++j) {
       const std::size_t c = (round + j) % 3;
       const auto t0 = std::chrono::steady_clock::now();
-      const result<void> r = attend(p, std::span(&(*views[c])[round % layers], 1), q, out, ws);
+      const result<void> r = attend(p, std::span(&(*views[c])[round % views[c]->size()], 1), q, out, ws);
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
       seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

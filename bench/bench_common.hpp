@@ -30,6 +30,7 @@
 #include <memory>
 #include <random>
 
+#include <kvcache/detail/storage.hpp>
 #include <kvcache/half.hpp>
 #include <kvcache/isa.hpp>
 
@@ -41,14 +42,18 @@ inline constexpr const char* copy_like_counter = "copy_like";
 /// Marks the running benchmark as copy-like: the report compares it with BM_memcpy.
 inline void compare_to_memcpy(benchmark::State& state) { state.counters[copy_like_counter] = 1; }
 
-/// 64-byte aligned, zero-filled (so every page is touched before timing) heap buffer.
+/// Zero-filled (so every page is touched before timing) heap buffer, allocated as the caches
+/// allocate their storage (detail::allocate_storage): from one huge page (2 MiB) up, aligned to
+/// a huge page and backed by huge pages where the OS grants them, else 64-byte aligned. The
+/// baselines then read the same kind of pages as attention reads: on a machine with transparent
+/// huge pages in "madvise" mode (Debian's default), a 256 MiB read from 4 KiB pages ran at 0.6-0.7
+/// of the same read from huge pages (session 42, Intel, `BM_read` 10.4 GB/s vs 17 in a throwaway
+/// program), which made attention over the caches' huge pages read at "1.7x the read bandwidth".
 class buffer {
  public:
   buffer() = default;
-  explicit buffer(std::size_t bytes) : bytes_(bytes) {
-    const std::size_t rounded = (bytes + 63) / 64 * 64 + 64;
-    ptr_.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded)));
-    if (ptr_) std::memset(ptr_.get(), 0, rounded);
+  explicit buffer(std::size_t bytes) : bytes_(bytes), ptr_(kvcache::detail::allocate_storage(padded(bytes))) {
+    if (ptr_) std::memset(ptr_.get(), 0, padded(bytes));
   }
   /// The storage as an array of T. // [bytes / sizeof(T)]
   template <class T>
@@ -57,11 +62,10 @@ class buffer {
   [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
  private:
-  struct deleter {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<std::byte, deleter> ptr_;
+  // Whole cache lines, plus one line of slack past the end.
+  static constexpr std::size_t padded(std::size_t bytes) noexcept { return (bytes + 63) / 64 * 64 + 64; }
   std::size_t bytes_ = 0;
+  kvcache::detail::storage ptr_;
 };
 
 /// N(0, sd) values from a fixed seed (benchmarks are reproducible), by the polar method on the
