@@ -28,12 +28,6 @@ inline void store_low_bytes(void* p, __m512i a, __m512i /*order*/, __m512i b) {
   _mm512_mask_cvtepi32_storeu_epi8(static_cast<char*>(p) + 16, 0xffff, b);
 }
 
-// The fused step's prefetches (mirror) go to L2 on these Intel cores, where every prefetch holds a
-// line fill buffer until its line arrives (as loads do), and one that fills only L2 holds it for
-// less. Measured on the Cascade Lake VM (8 process alternations, BM_attend over a two-tier cache
-// at 32k, 1 thread): median 6.04 ms against 6.39 into L1, best 5.47 against 6.10.
-constexpr int mirror_locality = 2;  // prefetcht1
-
 }  // namespace
 
 #include "q4_int8_avx512.inl"

@@ -120,8 +120,8 @@
 // by perf (cpu-clock), the step's time is 43 % set-up (flat: no instruction above 2.5 % of it), 33 %
 // value dots, 22 % key dots (about one vpdpbusd a cycle). On these cores every software prefetch
 // holds a line fill buffer until its line arrives, as a load does; prefetcht1 holds it for less
-// than prefetcht0 and measured 1.06x (medians of 8 process alternations), so that build's
-// mirror_locality is 2. The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
+// than prefetcht0 and measured 1.06x (medians of 8 process alternations): the step's prefetches
+// go to L2 on Intel (mirror, below). The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
 // vpdpbusd) ran the step at 28 M tokens/s cached and attend 1.7x slower: not used.
 namespace {
 
@@ -169,17 +169,24 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 
 // The fused step's prefetch (see this file's header): with each line of a group it loads, the line at
 // the same offset of the group's ahead group (q4_group_ref), at distance d bytes; d = 0 where the
-// group has none (the line just loaded: an L1 hit). Into the level the including file's
-// mirror_locality names: L1 where VBMI is (one tile ahead is 10 KB at head_dim 128), L2 on the Intel
-// cores without it (see kernels_avx512vnni_novbmi.cpp).
+// group has none (the line just loaded: an L1 hit). Into L1 where prefetch_to_l1 (Zen 5 and later:
+// into L2 measured 0.76x there, the value codes'), else into L2 (prefetcht1): on Intel cores every
+// software prefetch holds a line fill buffer until its line arrives, as a load does, and one that
+// fills only L2 holds it for less. Measured into L2 against L1, BM_attend over a two-tier cache at
+// 32k with 1 thread (the store streamed from memory): on the Cascade Lake VM (session 40, the
+// build without VBMI; 8 process alternations) median 6.04 ms against 6.39, best 5.47 against 6.10;
+// on session 42's Intel VM (VBMI, AMX; 3 alternations) 3.54-3.88 ms against 4.49-4.82 (1.24x),
+// prefetcht2 the same as prefetcht1. The choice is one predictable branch a line.
 struct mirror {
   std::uintptr_t d = 0;
+  bool l1 = false;
   __attribute__((always_inline)) void line(const void* p) const {
-    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + d), 0, mirror_locality);
+    prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, l1);
   }
 };
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
-  return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group)};
+  return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group),
+          prefetch_to_l1};
 }
 
 inline std::int32_t dword_at(const void* p) {
