@@ -35,7 +35,8 @@ const geometry shape{1, kv_heads, head_dim};  // of one layer; the caches of BM_
 // 480 MiB of L3, shared with other guests: a throwaway read of 48 MiB (huge pages, best of 7
 // passes) ran at 25 GB/s, of 96 MiB and more at 16-17 GB/s, its memory's speed. Until session 42
 // the two-tier cache held as many layers as the f16 ones (one at 32k: 41 MiB of Q4), which that
-// L3 kept, and BM_attend/two_tier at 32k ran 1.4x faster than it does from memory.
+// L3 kept: BM_attend/two_tier at 32k with 1 thread ran at 386 tokens/s so, 212 from memory (the
+// same code, one run each).
 constexpr std::size_t stream_bytes = std::size_t{128} << 20;
 
 // Layers of a cache whose layers hold `layer_bytes` each: enough for stream_bytes.
