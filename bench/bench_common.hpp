@@ -25,9 +25,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <random>
 
 #include <kvcache/detail/storage.hpp>
