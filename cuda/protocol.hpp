@@ -189,8 +189,9 @@ result<void> mark_batch_written(Impl& m) {
 
 /// Tokens per split and splits per sequence of an attend() launch.
 struct split_plan {
-  std::uint32_t tokens;  // split_tokens
-  std::uint32_t count;   // max_splits (per segment)
+  std::uint32_t tokens;    // split_tokens
+  std::uint32_t count;     // max_splits (per segment)
+  std::uint32_t prefetch;  // prefetch_steps
 };
 
 /// Multiprocessors of `device`: asked of the runtime once per device and process (attend()
@@ -222,6 +223,8 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
   if (opt.split_tokens % 32 != 0)
     return fail(errc::invalid_argument, "attend: split_tokens must be 0 (automatic) or a multiple of 32",
                 {{"split_tokens", opt.split_tokens}});
+  if (opt.prefetch_steps.has_value() && *opt.prefetch_steps > 4)
+    return fail(errc::invalid_argument, "attend: prefetch_steps above 4", {{"prefetch_steps", *opt.prefetch_steps}});
   if (cover < m.prepared_longest)
     return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
                 {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
@@ -235,7 +238,7 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
   if (splits > 65535)
     return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
                 {{"splits", static_cast<long long>(splits)}, {"split_tokens", tokens}});
-  return split_plan{tokens, static_cast<std::uint32_t>(splits)};
+  return split_plan{tokens, static_cast<std::uint32_t>(splits), opt.prefetch_steps.value_or(cuda_auto_prefetch_steps(tokens))};
 }
 
 /// attend(), last step: p (pages, tables, segments, split_tokens and max_splits set by the cache) completed

@@ -532,6 +532,7 @@ result<void> two_tier_cache<cuda>::attend(std::uint32_t layer, const attention_p
   p.tables[1] = detail::batch_table(m);
   p.segments = 2;
   p.split_tokens = splits->tokens;
+  p.prefetch_steps = splits->prefetch;
   p.max_splits[0] = p.max_splits[1] = splits->count;
   return detail::launch_attend(m, p, ap, q, out, workspace);
 }

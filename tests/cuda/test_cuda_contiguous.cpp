@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -202,6 +203,63 @@ TEST(cuda_contiguous, failed_calls_change_nothing) {
   KVCACHE_ASSERT_OK(c->write(a, 1, std::span<const float>(two), std::span<const float>(two)));
   KVCACHE_ASSERT_OK(c->commit(a));
   EXPECT_EQ(c->length(a).value(), 12u);
+}
+
+// cuda_attend_options::prefetch_steps changes how far ahead the f16 tensor-core kernel asks L2
+// for its rows, never the result: every value gives the automatic choice's bytes, splits long
+// enough for several steps a warp. Above 4 is a typed error.
+TEST(cuda_contiguous, attend_prefetch_steps_change_no_byte) {
+  KVCACHE_REQUIRE_CUDA();
+  rng r;
+  SCOPED_TRACE(r.trace());
+  const kvcache::geometry g{1, 2, 128};  // head_dim 128 and f16: the tensor-core kernel
+  const std::uint32_t q_heads = 8, batch = 3;
+  auto c = gpu_cache::create({g, format::f16, batch, 320});
+  KVCACHE_ASSERT_OK(c);
+  std::vector<seq_id> ids;
+  for (std::uint32_t b = 0; b < batch; ++b) {
+    ids.push_back(c->create().value());
+    const std::size_t n = r.between(150, 320);
+    KVCACHE_ASSERT_OK(c->reserve(ids[b], n));
+    const std::vector<float> k = r.floats(n * g.token_width()), v = r.floats(n * g.token_width());
+    KVCACHE_ASSERT_OK(c->write(ids[b], 0, std::span<const float>(k), std::span<const float>(v)));
+    KVCACHE_ASSERT_OK(c->commit(ids[b]));
+  }
+  KVCACHE_ASSERT_OK(c->prepare(ids));
+  const std::size_t q_count = static_cast<std::size_t>(batch) * q_heads * g.head_dim;
+  const std::vector<float> q = r.floats(q_count);
+  auto d_q = zeros<float>(cuda{}, q_count);
+  auto d_out = zeros<float>(cuda{}, q_count);
+  KVCACHE_ASSERT_OK(d_q);
+  KVCACHE_ASSERT_OK(d_out);
+  KVCACHE_ASSERT_OK(kvcache::copy_to_device(cuda{}, d_q->data(), q.data(), q.size() * 4));
+  kvcache::device_buffer ws;
+  kvcache::attention_params ap;
+  ap.q_heads = q_heads;
+  ap.kv_heads = g.kv_heads;
+  ap.head_dim = g.head_dim;
+  auto run = [&](const kvcache::cuda_attend_options& opt) -> std::vector<float> {
+    EXPECT_TRUE(c->attend(0, ap, d_q->data(), d_out->data(), ws, opt).has_value());
+    auto out = download(cuda{}, d_out->data(), q_count);
+    EXPECT_TRUE(out.has_value());
+    return out.has_value() ? out.value() : std::vector<float>{};
+  };
+  for (const std::uint32_t split : {0u, 64u, 320u}) {
+    kvcache::cuda_attend_options opt;
+    opt.split_tokens = split;
+    const std::vector<float> automatic = run(opt);
+    ASSERT_EQ(automatic.size(), q_count);
+    for (std::uint32_t steps = 0; steps <= 4; ++steps) {
+      opt.prefetch_steps = steps;
+      EXPECT_TRUE(run(opt) == automatic) << "split_tokens " << split << ", prefetch_steps " << steps;
+    }
+  }
+  kvcache::cuda_attend_options bad;
+  bad.prefetch_steps = 5;
+  const kvcache::result<void> res = c->attend(0, ap, d_q->data(), d_out->data(), ws, bad);
+  ASSERT_FALSE(res.has_value());
+  EXPECT_EQ(res.error().code, errc::invalid_argument);
+  EXPECT_NE(res.error().message.find("prefetch_steps"), std::string::npos) << res.error().message;
 }
 
 // Decode steps through the batch path (device rows, one append launch per layer, attention of

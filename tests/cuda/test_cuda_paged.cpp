@@ -53,6 +53,14 @@ std::vector<std::uint8_t> layer_bytes(const kvcache::layer_view& lv, const kvcac
   return out;
 }
 
+// Attend options with `tokens` per split (0: automatic), everything else at its default.
+kvcache::cuda_attend_options split_of(std::uint32_t tokens) {
+  kvcache::cuda_attend_options o;
+  o.split_tokens = tokens;
+  return o;
+}
+
+
 template <class C>
 kvcache::paged_config<typename C::placement_type> config(const kvcache::geometry& g, format f, std::uint32_t B) {
   kvcache::paged_config<typename C::placement_type> cfg;
@@ -297,7 +305,7 @@ TEST(cuda_paged, batch_decode_matches_reference) {
       KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_q->data(), q.data(), q.size() * 4));
       KVCACHE_ASSERT_OK(c->write_batch(l, d_k->data(), d_v->data()));
       // Layer 1: the automatic split (split_tokens 0).
-      KVCACHE_ASSERT_OK(c->attend(l, ap, d_q->data(), d_out->data(), ws, {l == 0 ? 32u : 0u, 0}));
+      KVCACHE_ASSERT_OK(c->attend(l, ap, d_q->data(), d_out->data(), ws, split_of(l == 0 ? 32u : 0u)));
       auto out = download(where, d_out->data(), q_count);
       KVCACHE_ASSERT_OK(out);
       double worst = 0.0;

@@ -72,6 +72,14 @@ std::vector<std::uint32_t> decode(const kvcache::layer_view& lv, const kvcache::
   return bits;
 }
 
+// Attend options with `tokens` per split (0: automatic), everything else at its default.
+kvcache::cuda_attend_options split_of(std::uint32_t tokens) {
+  kvcache::cuda_attend_options o;
+  o.split_tokens = tokens;
+  return o;
+}
+
+
 kvcache::two_tier_config config(const kvcache::geometry& g, format kf, format vf, std::uint32_t tail) {
   kvcache::two_tier_config c;
   c.shape = g;
@@ -220,7 +228,7 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
     KVCACHE_ASSERT_OK(kvcache::copy_to_device(where, d_q->data(), q.data(), q.size() * 4));
     KVCACHE_ASSERT_OK(c->write_batch(0, d_k->data(), d_v->data()));
     // Odd steps: the automatic split (cuda_attend_options{} : split_tokens 0).
-    KVCACHE_ASSERT_OK(c->attend(0, ap, d_q->data(), d_out->data(), ws, {step % 2 == 0 ? 64u : 0u, 0}));
+    KVCACHE_ASSERT_OK(c->attend(0, ap, d_q->data(), d_out->data(), ws, split_of(step % 2 == 0 ? 64u : 0u)));
     auto out = download(where, d_out->data(), q_count);
     KVCACHE_ASSERT_OK(out);
     double worst = 0.0;
@@ -256,16 +264,16 @@ TEST(cuda_two_tier, batch_decode_over_store_and_tail_matches_reference) {
   EXPECT_GT(c->stats().store_groups, 0u);
   // The commits changed the cache: every batch call fails until the batch is prepared again.
   for (const kvcache::result<void>& stale : {c->write_batch(0, d_k->data(), d_v->data()), c->mark_batch_written(),
-                                             c->attend(0, ap, d_q->data(), d_out->data(), ws, {64, 0})}) {
+                                             c->attend(0, ap, d_q->data(), d_out->data(), ws, split_of(64))}) {
     ASSERT_FALSE(stale.has_value());
     EXPECT_EQ(stale.error().code, errc::invalid_argument) << stale.error().message;
   }
   KVCACHE_ASSERT_OK(c->prepare(ids));
-  const kvcache::result<void> bad_split = c->attend(0, ap, d_q->data(), d_out->data(), ws, {48, 0});
+  const kvcache::result<void> bad_split = c->attend(0, ap, d_q->data(), d_out->data(), ws, split_of(48));
   ASSERT_FALSE(bad_split.has_value());
   EXPECT_EQ(bad_split.error().code, errc::invalid_argument) << bad_split.error().message;
   EXPECT_NE(bad_split.error().message.find("split_tokens"), std::string::npos) << bad_split.error().message;
-  const kvcache::result<void> bad_layer = c->attend(g.layers, ap, d_q->data(), d_out->data(), ws, {64, 0});
+  const kvcache::result<void> bad_layer = c->attend(g.layers, ap, d_q->data(), d_out->data(), ws, split_of(64));
   ASSERT_FALSE(bad_layer.has_value());
   EXPECT_EQ(bad_layer.error().code, errc::layer_out_of_range) << bad_layer.error().message;
 }

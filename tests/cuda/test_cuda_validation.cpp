@@ -246,6 +246,14 @@ TEST(cuda_validation, automatic_split_fills_the_multiprocessors) {
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 1), 1024u);
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 0), 1024u);
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, -5), 1024u);
+  // One step of L2 prefetch for the long splits, none for the short ones (kernels.hpp says why).
+  using kvcache::cuda_auto_prefetch_steps;
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024), 1u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(4096), 1u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(256), 1u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(224), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(128), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(32), 0u);
 }
 
 }  // namespace

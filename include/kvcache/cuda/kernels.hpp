@@ -103,8 +103,8 @@ struct attend_params {
   float scale = 0.0f;          ///< score scale; 0 means 1 / sqrt(head_dim)
   std::uint32_t split_tokens = 512;  ///< tokens per split, multiple of 32
   /// attend_tc only (f16 keys and values, head_dim 64 or 128): how many of its 16-token steps
-  /// ahead each warp asks L2 for (prefetch, no registers held), 0..4; 0: none. A tuning knob:
-  /// `BM_cuda_attend/.../prefetch:N` measures it (cuda/README.md).
+  /// ahead each warp asks L2 for (prefetch, no registers held), 0..4; 0: none. The caches use
+  /// cuda_auto_prefetch_steps; `BM_cuda_attend/.../prefetch:N` measures it (cuda/README.md).
   std::uint32_t prefetch_steps = 0;
   /// Splits per segment: grid bound, fixed so a captured graph stays valid as sequences grow;
   /// must cover the longest sequence: max_splits * split_tokens >= tokens of any segment.
@@ -126,6 +126,17 @@ struct attend_params {
     if (batch * heads * ((cover + split - 1) / split) >= static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors))
       break;
   return split;
+}
+
+/// attend_params::prefetch_steps for splits of `split_tokens`: 1 from 256 tokens on, else 0; what
+/// the caches' attend() uses unless cuda_attend_options::prefetch_steps says otherwise. Measured on
+/// an H200 (session 43, `BM_cuda_attend/.../prefetch:N`, f16 contiguous and paged, 4k and 32k
+/// tokens x 1 and 8 sequences, two runs each): one step ahead made 1024-token splits up to 6 %
+/// faster (4k x 8, 32k x 1; 32k x 8 within +-2 %), 512-token splits 2-10 % faster, 256-token
+/// splits 0-5 %, and 128-token splits (a warp runs few steps) 1-3 % slower; two steps ahead was
+/// slower than none everywhere.
+[[nodiscard]] constexpr std::uint32_t cuda_auto_prefetch_steps(std::uint32_t split_tokens) noexcept {
+  return split_tokens >= 256 ? 1u : 0u;
 }
 
 /// Workspace bytes attend needs: batch * q_heads * (max_splits[0] + max_splits[1]) partial states.
