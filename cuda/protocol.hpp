@@ -228,17 +228,24 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
   if (cover < m.prepared_longest)
     return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
                 {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
-  std::uint32_t tokens = opt.split_tokens;
-  if (tokens == 0) {
-    const result<int> sms = multiprocessors(m.where.device);
-    KVCACHE_TRY(sms);
-    tokens = cuda_auto_split_tokens(cover, m.batch_slots.size(), g.kv_heads, ap.q_heads, sms.value());
+  int sms = 0;  // asked only when something is automatic
+  if (opt.split_tokens == 0 || !opt.prefetch_steps.has_value()) {
+    const result<int> n = multiprocessors(m.where.device);
+    KVCACHE_TRY(n);
+    sms = n.value();
   }
+  const std::size_t batch = m.batch_slots.size();
+  const std::uint32_t tokens =
+      opt.split_tokens != 0 ? opt.split_tokens : cuda_auto_split_tokens(cover, batch, g.kv_heads, ap.q_heads, sms);
   const std::size_t splits = (cover + tokens - 1) / tokens;
   if (splits > 65535)
     return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
                 {{"splits", static_cast<long long>(splits)}, {"split_tokens", tokens}});
-  return split_plan{tokens, static_cast<std::uint32_t>(splits), opt.prefetch_steps.value_or(cuda_auto_prefetch_steps(tokens))};
+  const std::uint32_t prefetch =
+      opt.prefetch_steps.has_value()
+          ? *opt.prefetch_steps
+          : cuda_auto_prefetch_steps(tokens, cuda_attend_blocks(batch, g.kv_heads, ap.q_heads, splits), sms);
+  return split_plan{tokens, static_cast<std::uint32_t>(splits), prefetch};
 }
 
 /// attend(), last step: p (pages, tables, segments, split_tokens and max_splits set by the cache) completed

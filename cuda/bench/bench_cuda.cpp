@@ -310,6 +310,12 @@ BENCHMARK(BM_cuda_attend)
     ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
     ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}, {0, 256, 512}, {1, 2}})
     ->UseManualTime();
+// Between the grids above (256 and 2048 blocks of 1024 tokens): where prefetch (3 blocks of the
+// kernel per SM) stops paying against 4 blocks without it (cuda_auto_prefetch_steps).
+BENCHMARK(BM_cuda_attend)
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
+    ->ArgsProduct({{32768}, {2, 4}, {0}, {0}, {0, 1}})
+    ->UseManualTime();
 
 int main(int argc, char** argv) {
   const kvcache::result<void> ok = kvcache::cuda_available(0);

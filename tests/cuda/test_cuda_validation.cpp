@@ -246,14 +246,22 @@ TEST(cuda_validation, automatic_split_fills_the_multiprocessors) {
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 1), 1024u);
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, 0), 1024u);
   EXPECT_EQ(cuda_auto_split_tokens(100, 1, 1, 1, -5), 1024u);
-  // One step of L2 prefetch for the long splits, none for the short ones (kernels.hpp says why).
+  // One step of L2 prefetch for long splits in grids of one wave at 3 blocks per SM, none for
+  // short splits or larger grids (kernels.hpp says why).
+  using kvcache::cuda_attend_blocks;
   using kvcache::cuda_auto_prefetch_steps;
-  EXPECT_EQ(cuda_auto_prefetch_steps(1024), 1u);
-  EXPECT_EQ(cuda_auto_prefetch_steps(4096), 1u);
-  EXPECT_EQ(cuda_auto_prefetch_steps(256), 1u);
-  EXPECT_EQ(cuda_auto_prefetch_steps(224), 0u);
-  EXPECT_EQ(cuda_auto_prefetch_steps(128), 0u);
-  EXPECT_EQ(cuda_auto_prefetch_steps(32), 0u);
+  EXPECT_EQ(cuda_attend_blocks(8, 8, 32, 32), 2048u);  // 32k x 8 in 1024-token splits
+  EXPECT_EQ(cuda_attend_blocks(1, 8, 96, 4), 64u);     // 12 query heads a kv head: 2 groups of 8
+  EXPECT_EQ(cuda_attend_blocks(3, 0, 0, 5), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024, 256, 132), 1u);   // 4k x 8, 32k x 1
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024, 512, 132), 0u);   // 32k x 2
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024, 2048, 132), 0u);  // 32k x 8
+  EXPECT_EQ(cuda_auto_prefetch_steps(128, 256, 132), 0u);    // 4k x 1
+  EXPECT_EQ(cuda_auto_prefetch_steps(256, 396, 132), 1u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(256, 397, 132), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(224, 64, 132), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024, 1, 0), 0u);
+  EXPECT_EQ(cuda_auto_prefetch_steps(1024, 1, -3), 0u);
 }
 
 }  // namespace

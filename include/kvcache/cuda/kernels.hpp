@@ -112,6 +112,14 @@ struct attend_params {
   float* workspace = nullptr;  ///< device, at least cuda_attend_workspace_bytes(*this) bytes
 };
 
+/// Blocks of one segment's partial kernel in an attend launch (the grid cuda_auto_prefetch_steps
+/// and cuda_auto_split_tokens weigh): batch x kv_heads x groups of 8 query heads x splits.
+[[nodiscard]] constexpr std::size_t cuda_attend_blocks(std::size_t batch, std::size_t kv_heads, std::size_t q_heads,
+                                                       std::size_t splits) noexcept {
+  const std::size_t gqa = kv_heads == 0 ? 0 : q_heads / kv_heads;
+  return batch * kv_heads * ((gqa + 7) / 8) * splits;
+}
+
 /// A split for attend_params::split_tokens: the largest of 1024, 512, ..., 32 tokens whose grid
 /// (batch x kv_heads x groups of 8 query heads x splits of `cover` tokens, `cover` the longest
 /// sequence) still has a block for each of the device's `multiprocessors` (fewer blocks leave
@@ -119,24 +127,31 @@ struct attend_params {
 /// caches' attend() uses it when cuda_attend_options::split_tokens is 0 (the default).
 [[nodiscard]] constexpr std::uint32_t cuda_auto_split_tokens(std::size_t cover, std::size_t batch, std::size_t kv_heads,
                                                              std::size_t q_heads, int multiprocessors) noexcept {
-  const std::size_t gqa = kv_heads == 0 ? 0 : q_heads / kv_heads;
-  const std::size_t heads = kv_heads * ((gqa + 7) / 8);
   std::uint32_t split = 1024;
   for (; split > 32; split /= 2)
-    if (batch * heads * ((cover + split - 1) / split) >= static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors))
+    if (cuda_attend_blocks(batch, kv_heads, q_heads, (cover + split - 1) / split) >=
+        static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors))
       break;
   return split;
 }
 
-/// attend_params::prefetch_steps for splits of `split_tokens`: 1 from 256 tokens on, else 0; what
-/// the caches' attend() uses unless cuda_attend_options::prefetch_steps says otherwise. Measured on
-/// an H200 (session 43, `BM_cuda_attend/.../prefetch:N`, f16 contiguous and paged, 4k and 32k
-/// tokens x 1 and 8 sequences, two runs each): one step ahead made 1024-token splits up to 6 %
-/// faster (4k x 8, 32k x 1; 32k x 8 within +-2 %), 512-token splits 2-10 % faster, 256-token
-/// splits 0-5 %, and 128-token splits (a warp runs few steps) 1-3 % slower; two steps ahead was
-/// slower than none everywhere.
-[[nodiscard]] constexpr std::uint32_t cuda_auto_prefetch_steps(std::uint32_t split_tokens) noexcept {
-  return split_tokens >= 256 ? 1u : 0u;
+/// attend_params::prefetch_steps for a launch of `blocks` blocks (cuda_attend_blocks) of
+/// `split_tokens` tokens on `multiprocessors` SMs: 1 when the splits are of 256 tokens or more and
+/// the grid fits in one wave of 3 blocks per SM, else 0; what the caches' attend() uses unless
+/// cuda_attend_options::prefetch_steps says otherwise. At head_dim 128 the f16 tensor-core kernel
+/// with prefetch holds 3 blocks per SM (154 registers), without it 4 (compiled for 128): where the
+/// grid fits in one wave of the first, prefetch hides the latency that the idle SMs cannot; past
+/// that, the fourth block per SM does it better. Measured on an H200 (session 43, f16 contiguous
+/// and paged, `BM_cuda_attend/.../prefetch:N`, two runs each, 1024-token splits): 256 blocks (4k x
+/// 8 sequences, 32k x 1) 51.0-51.9 us with prefetch against 59.6-61.1 without; 512 blocks (32k x
+/// 2) 107.8-108.1 against 83.4-83.8; 1024 (32k x 4) 171-173 against 160; 2048 (32k x 8)
+/// 323-328 against 304-309. Shorter splits at 256 blocks: 512 tokens 2-10 % faster with it, 256
+/// tokens 0-5 %, 128 tokens (a warp runs few steps) 1-3 % slower. Two steps ahead was slower than
+/// none everywhere.
+[[nodiscard]] constexpr std::uint32_t cuda_auto_prefetch_steps(std::uint32_t split_tokens, std::size_t blocks,
+                                                               int multiprocessors) noexcept {
+  const std::size_t wave = 3 * static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors);
+  return split_tokens >= 256 && blocks <= wave ? 1u : 0u;
 }
 
 /// Workspace bytes attend needs: batch * q_heads * (max_splits[0] + max_splits[1]) partial states.
