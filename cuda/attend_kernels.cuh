@@ -768,8 +768,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 constexpr unsigned tc_min_blocks(std::uint32_t ahead) { return ahead == 0 ? 4u : 1u; }
 
 template <std::uint32_t D, std::uint32_t AHEAD>
-__global__ void __launch_bounds__(kThreads, tc_min_blocks(AHEAD)) attend_tc(attend_params p, std::uint32_t seg, std::uint32_t split_base,
-                                                      std::uint32_t total_splits, float score_scale) {
+__global__ void __launch_bounds__(kThreads, tc_min_blocks(AHEAD))
+    attend_tc(attend_params p, std::uint32_t seg, std::uint32_t split_base, std::uint32_t total_splits, float score_scale) {
   static_assert(D == 64 || D == 128);
   constexpr std::uint32_t KJ = D / 32;  // 16-byte key loads per row and lane (two k-steps each)
   constexpr std::uint32_t VH = D / 64;  // 16-byte value loads per token and lane (four m-tiles each)

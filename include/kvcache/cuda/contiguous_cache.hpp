@@ -54,8 +54,8 @@ struct cuda_attend_options {
   /// sequence stays within it; invalid_argument when a prepared sequence is longer.
   std::size_t max_tokens = 0;
   /// attend_params::prefetch_steps (0..4: how many 16-token steps ahead each warp of the f16
-  /// tensor-core kernel asks L2 for), or empty: cuda_auto_prefetch_steps of the call's split.
-  /// Only the speed changes: every value gives the same bytes.
+  /// tensor-core kernel asks L2 for), or empty: cuda_auto_prefetch_steps of the call's split and
+  /// grid. Only the speed changes: every value gives the same bytes.
   std::optional<std::uint32_t> prefetch_steps;
 };
 

@@ -145,9 +145,9 @@ struct attend_params {
 /// and paged, `BM_cuda_attend/.../prefetch:N`, two runs each, 1024-token splits): 256 blocks (4k x
 /// 8 sequences, 32k x 1) 51.0-51.9 us with prefetch against 59.6-61.1 without; 512 blocks (32k x
 /// 2) 107.8-108.1 against 83.4-83.8; 1024 (32k x 4) 171-173 against 160; 2048 (32k x 8)
-/// 323-328 against 304-309. Shorter splits at 256 blocks: 512 tokens 2-10 % faster with it, 256
-/// tokens 0-5 %, 128 tokens (a warp runs few steps) 1-3 % slower. Two steps ahead was slower than
-/// none everywhere.
+/// 323-328 against 304-309. Shorter splits at 256 blocks, against the 3-block build without
+/// prefetch: 512 tokens 2-10 % faster with it, 256 tokens 0-5 %, 128 tokens (a warp runs few
+/// steps) 1-3 % slower. Two steps ahead was slower than none everywhere.
 [[nodiscard]] constexpr std::uint32_t cuda_auto_prefetch_steps(std::uint32_t split_tokens, std::size_t blocks,
                                                                int multiprocessors) noexcept {
   const std::size_t wave = 3 * static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors);
