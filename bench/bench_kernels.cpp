@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -252,7 +254,8 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
   s.SetItemsProcessed(i64(steps * 32));
 }
 
-// table::attend_q4 as attend() drives it over a two-tier store at 32k (one layer): the store in
+// table::attend_q4 as attend() drives it over a two-tier store at 32k (one layer a step, the layers
+// in turn, as BM_attend/two_tier reads them): the store in
 // slabs of slab_groups group slots, as the cache lays them out ([kv head][slab_groups]{key group,
 // value group} a slab, slab_groups as the cache picks it for this shape), read head by
 // head, `per_call` groups a call, each group with the next call's group in its place as its ahead
@@ -260,7 +263,8 @@ void attend_step_q4(benchmark::State& s, const kernels::table* t, std::uint32_t 
 // as attend hands them over. Against /l2 (the same step on cached
 // groups) this is what streaming the store costs the step, and against BM_attend/two_tier what
 // attend adds to it. The store lies on huge pages as the cache's slabs do: on 4 KiB pages the
-// stream ran 0.8 times as fast as /l2, on huge pages 0.96 (session 14, an older layout).
+// stream ran 0.8 times as fast as /l2, on huge pages 0.96 (session 14, an older layout, one layer
+// that the L3 may have kept).
 void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::uint32_t nq, std::uint32_t per_call) {
   constexpr std::size_t pair = key_group + value_group;
   // The cache's own choice for one layer of these heads (settings().slab_groups).
@@ -276,24 +280,34 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
   auto at = [slab_bytes](const std::uint8_t* base, std::size_t h, std::size_t g) {
     return base + g / slab_groups * slab_bytes + (h * slab_groups + g % slab_groups) * pair;
   };
-  // Allocated as the two-tier cache allocates its store slabs (huge pages advised).
-  static const kvcache::detail::storage store = [&] {
-    kvcache::detail::storage x = kvcache::detail::allocate_storage(slabs * slab_bytes);
-    for (std::size_t h = 0; x && h < heads; ++h)
-      for (std::size_t g = 0; g < ctx_groups; ++g) {
-        auto* dst = const_cast<std::uint8_t*>(at(reinterpret_cast<const std::uint8_t*>(x.get()), h, g));
-        std::copy_n(q4_keys() + (h * ctx_groups + g) * key_group, key_group, dst);
-        std::copy_n(q4_values() + (h * ctx_groups + g) * value_group, value_group, dst + key_group);
-      }
-    return x;
+  // Allocated as the two-tier cache allocates its store slabs (huge pages advised); as many
+  // copies (layers) as make 128 MiB, read in turn, so that the store streams from memory: one
+  // layer at 32k is 40 MiB, which session 42's Intel VM kept in its L3 (there, in session 43,
+  // /stream read one layer at 112 M tokens/s, 0.94 of /l2; four in turn at 75, 0.64 of /l2).
+  static const std::vector<kvcache::detail::storage> stores = [&] {
+    std::vector<kvcache::detail::storage> v;
+    const std::size_t bytes = slabs * slab_bytes, copies = std::max<std::size_t>(1, ((std::size_t{128} << 20) + bytes - 1) / bytes);
+    for (std::size_t c = 0; c < copies; ++c) {
+      kvcache::detail::storage x = kvcache::detail::allocate_storage(bytes);
+      if (!x) return std::vector<kvcache::detail::storage>{};
+      for (std::size_t h = 0; h < heads; ++h)
+        for (std::size_t g = 0; g < ctx_groups; ++g) {
+          auto* dst = const_cast<std::uint8_t*>(at(reinterpret_cast<const std::uint8_t*>(x.get()), h, g));
+          std::copy_n(q4_keys() + (h * ctx_groups + g) * key_group, key_group, dst);
+          std::copy_n(q4_values() + (h * ctx_groups + g) * value_group, value_group, dst + key_group);
+        }
+      v.push_back(std::move(x));
+    }
+    return v;
   }();
-  if (!store) return s.SkipWithError("out of memory");
+  if (stores.empty()) return s.SkipWithError("out of memory");
   const std::size_t per_head = std::size_t{nq} * head_dim;
   kb::buffer q(heads * per_head * sizeof(float)), acc(heads * per_head * sizeof(float)),
       run(std::size_t{2} * heads * nq * sizeof(float));
   kb::fill_normal(q.as<float>(), heads * per_head, 1.4427f / 11.3f);
-  const auto* base = reinterpret_cast<const std::uint8_t*>(store.get());
+  std::size_t layer = 0;
   for (auto _ : s) {
+    const auto* base = reinterpret_cast<const std::uint8_t*>(stores[layer++ % stores.size()].get());
     float* run_max = run.as<float>();
     float* run_sum = run_max + heads * nq;
     std::fill_n(run_max, heads * nq, -std::numeric_limits<float>::infinity());
