@@ -105,7 +105,10 @@ struct two_tier_config {
   /// slot (every layer's K and V of 32 tokens) is 128 KiB or more, as in most models, and more for
   /// a small one (one layer, few or narrow heads), whose 16-group slabs would sit on 4 KiB pages:
   /// at one layer of 8 kv heads x 128 those made a 32k decode step 1.1x slower (the store's TLB
-  /// misses). settings() gives the number chosen.
+  /// misses). Where more than 1/32 of such a slab lies past its last whole huge page (on 4 KiB
+  /// pages), it takes the fewest groups, up to 4 times as many, that leave at most 1/32 there:
+  /// 26 in place of 16 at 4 layers of 8 x 128, which made a 32k step on an Intel VM 1.08-1.14x
+  /// faster (session 43). settings() gives the number chosen (detail::two_tier::default_slab_groups).
   std::uint32_t slab_groups = 0;
 };
 
@@ -148,6 +151,20 @@ using buffer = detail::storage;
 
 /// n bytes, or null if the allocator refuses.
 [[nodiscard]] inline buffer allocate(std::size_t n) noexcept { return detail::allocate_storage(n); }
+
+/// two_tier_config::slab_groups when it is 0, for group slots of `slot` bytes (slot > 0): the
+/// fewest groups, at least 16, whose slab spans a huge page; then, where the slab's bytes past its
+/// last whole huge page (on 4 KiB pages: the kernel backs only whole, aligned huge pages) are more
+/// than 1/32 of it, the fewest groups up to 4 times that many whose share is not (every slot under a
+/// huge page has one: test_two_tier checks them all). A slot of a huge page or more keeps the first
+/// count (at least 16 slots: what lies past whole pages is under 1/16 of the slab).
+[[nodiscard]] constexpr std::uint32_t default_slab_groups(std::size_t slot) noexcept {
+  const std::size_t first = std::max<std::size_t>(16, (huge_page_bytes + slot - 1) / slot);  // <= 2^17
+  if (slot < huge_page_bytes)
+    for (std::size_t g = first; g <= 4 * first; ++g)  // g * slot < 2^21 * 2^19: no overflow
+      if ((g * slot) % huge_page_bytes * 32 <= g * slot) return static_cast<std::uint32_t>(g);
+  return static_cast<std::uint32_t>(first);
+}
 
 /// One store group of a sequence: its slot and how many of its 32 tokens are live.
 struct group_ref {
@@ -274,10 +291,7 @@ class two_tier_cache<cpu> {
     KVCACHE_TRY(layer_group);
     auto slot = checked_mul(*layer_group, g.layers, "two_tier: group bytes");
     KVCACHE_TRY(slot);
-    if (cfg.slab_groups == 0) {  // slot > 0: every dimension is at least 1
-      const std::size_t fill = (detail::huge_page_bytes + *slot - 1) / *slot;
-      c.cfg_.slab_groups = static_cast<std::uint32_t>(std::max<std::size_t>(16, fill));  // <= 2^17
-    }
+    if (cfg.slab_groups == 0) c.cfg_.slab_groups = detail::two_tier::default_slab_groups(*slot);  // slot > 0
     auto slab = checked_mul(*slot, c.cfg_.slab_groups, "two_tier: slab bytes");
     KVCACHE_TRY(slab);
     c.slot_bytes_ = *slot;
