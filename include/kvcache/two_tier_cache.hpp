@@ -107,7 +107,7 @@ struct two_tier_config {
   /// at one layer of 8 kv heads x 128 those made a 32k decode step 1.1x slower (the store's TLB
   /// misses). Where more than 1/32 of such a slab lies past its last whole huge page (on 4 KiB
   /// pages), it takes the fewest groups, up to 4 times as many, that leave at most 1/32 there:
-  /// 26 in place of 16 at 4 layers of 8 x 128, which made a 32k step on an Intel VM 1.08-1.14x
+  /// 26 in place of 16 at 4 layers of 8 x 128, which made a 32k step on an Intel VM 1.04-1.10x
   /// faster (session 43). settings() gives the number chosen (detail::two_tier::default_slab_groups).
   std::uint32_t slab_groups = 0;
 };
