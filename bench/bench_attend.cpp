@@ -29,20 +29,12 @@ using namespace kvcache;
 constexpr std::uint32_t kv_heads = 8, head_dim = 128, q_heads = 32;
 const geometry shape{1, kv_heads, head_dim};  // of one layer; the caches of BM_attend hold layers_for(tokens)
 
-// Bytes of K+V a cache of BM_attend and BM_attend_paired holds at least (in its own format: f16,
-// or the two-tier cache's Q4 groups), so that no layer is still in the CPU's caches when its turn
-// comes again: 4x the L3 of this project's first machines (32 MiB). Session 42's Intel VM reports
-// 480 MiB of L3, shared with other guests: a throwaway read of 48 MiB (huge pages, best of 7
-// passes) ran at 25 GB/s, of 96 MiB and more at 16-17 GB/s, its memory's speed. Until session 42
-// the two-tier cache held as many layers as the f16 ones (one at 32k: 41 MiB of Q4), which that
-// L3 kept: BM_attend/two_tier at 32k with 1 thread ran at 386 tokens/s so, 212 from memory (the
+// A cache of BM_attend and BM_attend_paired holds bench::stream_bytes of K+V at least (in its own
+// format: f16, or the two-tier cache's Q4 groups). Until session 42 the two-tier cache held as
+// many layers as the f16 ones (one at 32k: 41 MiB of Q4), which that session's Intel VM kept in
+// its L3: BM_attend/two_tier at 32k with 1 thread ran at 386 tokens/s so, 212 from memory (the
 // same code, one run each).
-constexpr std::size_t stream_bytes = std::size_t{128} << 20;
-
-// Layers of a cache whose layers hold `layer_bytes` each: enough for stream_bytes.
-std::uint32_t layers_for_bytes(std::size_t layer_bytes) {
-  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer_bytes - 1) / layer_bytes));
-}
+using bench::layers_for_bytes;
 // Of an f16 cache of `tokens` tokens.
 std::uint32_t layers_for(std::size_t tokens) {
   return layers_for_bytes(tokens * shape.token_width() * 2 * sizeof(std::uint16_t));

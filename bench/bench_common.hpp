@@ -22,6 +22,7 @@
 // (BM_read/real_time/threads:2 ...). Their names start with "BM_read" / "BM_memcpy".
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +40,18 @@ inline constexpr const char* copy_like_counter = "copy_like";
 
 /// Marks the running benchmark as copy-like: the report compares it with BM_memcpy.
 inline void compare_to_memcpy(benchmark::State& state) { state.counters[copy_like_counter] = 1; }
+
+/// Bytes a benchmark that streams a cache (or a copy of its store) reads in turn, at least (in
+/// the data's own format), so that no layer is still in the CPU's caches when its turn comes
+/// again: 4x the L3 of this project's first machines (32 MiB). Session 42's Intel VM reports
+/// 480 MiB of L3, shared with other guests: a throwaway read of 48 MiB (huge pages, best of 7
+/// passes) ran at 25 GB/s, of 96 MiB and more at 16-17 GB/s, its memory's speed.
+inline constexpr std::size_t stream_bytes = std::size_t{128} << 20;
+
+/// Layers (or copies) of `layer_bytes` each that make stream_bytes: at least one.
+inline std::uint32_t layers_for_bytes(std::size_t layer_bytes) {
+  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer_bytes - 1) / layer_bytes));
+}
 
 /// Zero-filled (so every page is touched before timing) heap buffer, allocated as the caches
 /// allocate their storage (detail::allocate_storage): from one huge page (2 MiB) up, aligned to

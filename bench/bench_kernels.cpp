@@ -281,12 +281,12 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
     return base + g / slab_groups * slab_bytes + (h * slab_groups + g % slab_groups) * pair;
   };
   // Allocated as the two-tier cache allocates its store slabs (huge pages advised); as many
-  // copies (layers) as make 128 MiB, read in turn, so that the store streams from memory: one
-  // layer at 32k is 40 MiB, which session 42's Intel VM kept in its L3 (there, in session 43,
-  // /stream read one layer at 112 M tokens/s, 0.94 of /l2; four in turn at 75, 0.64 of /l2).
+  // copies (layers) as make bench::stream_bytes, read in turn, so that the store streams from
+  // memory: one layer at 32k is 40 MiB, which session 42's Intel VM kept in its L3 (there, in
+  // session 43, /stream read one layer at 112 M tokens/s, 0.94 of /l2; four in turn at 75, 0.64).
   static const std::vector<kvcache::detail::storage> stores = [&] {
     std::vector<kvcache::detail::storage> v;
-    const std::size_t bytes = slabs * slab_bytes, copies = std::max<std::size_t>(1, ((std::size_t{128} << 20) + bytes - 1) / bytes);
+    const std::size_t bytes = slabs * slab_bytes, copies = kb::layers_for_bytes(bytes);
     for (std::size_t c = 0; c < copies; ++c) {
       kvcache::detail::storage x = kvcache::detail::allocate_storage(bytes);
       if (!x) return std::vector<kvcache::detail::storage>{};

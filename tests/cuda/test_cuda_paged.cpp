@@ -53,13 +53,6 @@ std::vector<std::uint8_t> layer_bytes(const kvcache::layer_view& lv, const kvcac
   return out;
 }
 
-// Attend options with `tokens` per split (0: automatic), everything else at its default.
-kvcache::cuda_attend_options split_of(std::uint32_t tokens) {
-  kvcache::cuda_attend_options o;
-  o.split_tokens = tokens;
-  return o;
-}
-
 
 template <class C>
 kvcache::paged_config<typename C::placement_type> config(const kvcache::geometry& g, format f, std::uint32_t B) {

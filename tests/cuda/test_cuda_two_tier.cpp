@@ -72,13 +72,6 @@ std::vector<std::uint32_t> decode(const kvcache::layer_view& lv, const kvcache::
   return bits;
 }
 
-// Attend options with `tokens` per split (0: automatic), everything else at its default.
-kvcache::cuda_attend_options split_of(std::uint32_t tokens) {
-  kvcache::cuda_attend_options o;
-  o.split_tokens = tokens;
-  return o;
-}
-
 
 kvcache::two_tier_config config(const kvcache::geometry& g, format kf, format vf, std::uint32_t tail) {
   kvcache::two_tier_config c;
