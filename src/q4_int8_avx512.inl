@@ -123,6 +123,13 @@
 // than prefetcht0 and measured 1.06x (medians of 8 process alternations): the step's prefetches
 // go to L2 on Intel (mirror, below). The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
 // vpdpbusd) ran the step at 28 M tokens/s cached and attend 1.7x slower: not used.
+//
+// On session 44's Intel VM (family 6 model 167, with AMX) the step is bound by vpdpbusd: one issues
+// every 0.53 ns, and a two-group tile's 1024 of them take 543 ns of its 530-569 on cached groups.
+// The dot products on AMX-INT8 tiles (tdpbsud, tdpbusd: same integers, bit-identical) ran the step
+// 0.78-0.80x as fast: tiles load from memory, so every group's codes went through vector stores
+// and every result through a tile store, and each such chain (about 30 ns) waits for the last.
+// bench/PERFORMANCE.md (session 44) has the figures and what a step built for tiles would change.
 namespace {
 
 #include "q4_int8.inl"
