@@ -124,12 +124,13 @@
 // go to L2 on Intel (mirror, below). The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
 // vpdpbusd) ran the step at 28 M tokens/s cached and attend 1.7x slower: not used.
 //
-// On session 44's Intel VM (family 6 model 167, with AMX) the step is bound by vpdpbusd: one issues
-// every 0.53 ns, and a two-group tile's 1024 of them take 543 ns of its 530-569 on cached groups.
-// The dot products on AMX-INT8 tiles (tdpbsud, tdpbusd: same integers, bit-identical) ran the step
-// 0.78-0.80x as fast: tiles load from memory, so every group's codes went through vector stores
-// and every result through a tile store, and each such chain (about 30 ns) waits for the last.
-// bench/PERFORMANCE.md (session 44) has the figures and what a step built for tiles would change.
+// On session 44's Intel VM (family 6 model 167, with AMX) a tile's 1024 vpdpbusd (0.53 ns each)
+// and the rest of it (438 ns with the dot products knocked out) each nearly fill its 550 ns on
+// cached groups, but streamed the knock-out ran only 1.1x faster: attend over a two-tier cache is
+// bound there by the stream of the store (0.6 of BM_read), not by these loops. The dot products
+// on AMX-INT8 tiles (same integers, bit-identical) ran the step 0.78-0.80x as fast: tiles load
+// from memory, so every group's codes went through vector stores and every result through a tile
+// store, and each such chain (about 30 ns) waits for the last. bench/PERFORMANCE.md (session 44).
 namespace {
 
 #include "q4_int8.inl"
