@@ -109,15 +109,15 @@ struct rng {
   }
 };
 
-/// The scalar CPU kernels: the oracle of every CUDA kernel.
-// Attend options of the cuda caches with `tokens` per split (0: automatic), the rest at their
-// defaults (brace-initialising the options names every field, or -Wextra objects).
+/// Attend options of the cuda caches with `tokens` per split (0: automatic), the rest at their
+/// defaults (brace-initialising the options names every field, or -Wextra objects).
 inline kvcache::cuda_attend_options split_of(std::uint32_t tokens) {
   kvcache::cuda_attend_options o;
   o.split_tokens = tokens;
   return o;
 }
 
+/// The scalar CPU kernels: the oracle of every CUDA kernel.
 inline const kvcache::kernels::table& scalar() { return *kvcache::kernels::find(kvcache::isa::scalar); }
 
 /// Float64 reference of decode attention for one query head over decoded keys/values

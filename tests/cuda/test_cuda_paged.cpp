@@ -53,7 +53,6 @@ std::vector<std::uint8_t> layer_bytes(const kvcache::layer_view& lv, const kvcac
   return out;
 }
 
-
 template <class C>
 kvcache::paged_config<typename C::placement_type> config(const kvcache::geometry& g, format f, std::uint32_t B) {
   kvcache::paged_config<typename C::placement_type> cfg;

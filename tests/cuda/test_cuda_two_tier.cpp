@@ -72,7 +72,6 @@ std::vector<std::uint32_t> decode(const kvcache::layer_view& lv, const kvcache::
   return bits;
 }
 
-
 kvcache::two_tier_config config(const kvcache::geometry& g, format kf, format vf, std::uint32_t tail) {
   kvcache::two_tier_config c;
   c.shape = g;
