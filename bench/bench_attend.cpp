@@ -4,10 +4,12 @@
 // 256-token blocks, at 32k tokens only) and two-tier Q4 (128-token f16 tail). Bytes processed = the
 // K+V bytes the layer's view holds (what attend must read); items = tokens/s of decode (one query
 // token per step). t: attend's own thread count (attention_params::threads).
-// The cache holds as many layers as make its f16 K+V at least stream_bytes (8 at 4k tokens, 1 at
-// 32k), the same number for every cache of a context, and each step reads the next layer's view,
-// as an engine's decode step does: a layer's K+V then comes from memory, not from the L3 where a
-// single 4k layer (16 MB) stays between steps (until session 35 the 4k figures were of that case).
+// The cache holds as many layers as make its K+V at least bench::stream_bytes() (twice the L3, at
+// least 128 MiB) and each step reads the next layer's view, as an engine's decode step does: a
+// layer's K+V then comes from memory, not from the L3 where a single 4k layer (16 MB) stays
+// between steps (until session 35 the 4k figures were of that case; until session 45 the caches
+// held 128 MiB, which a VM with 480 MiB of L3 partly kept there). The filled caches are kept from
+// one call of a benchmark to the next (held_views), and shared by its t:1 and t:2 variants.
 #include "bench_common.hpp"
 
 #include <kvcache/attend.hpp>
@@ -18,6 +20,8 @@
 #include <kvcache/two_tier_cache.hpp>
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,7 +33,7 @@ using namespace kvcache;
 constexpr std::uint32_t kv_heads = 8, head_dim = 128, q_heads = 32;
 const geometry shape{1, kv_heads, head_dim};  // of one layer; the caches of BM_attend hold layers_for(tokens)
 
-// A cache of BM_attend and BM_attend_paired holds bench::stream_bytes of K+V at least (in its own
+// A cache of BM_attend and BM_attend_paired holds bench::stream_bytes() of K+V at least (in its own
 // format: f16, or the two-tier cache's Q4 groups). Until session 42 the two-tier cache held as
 // many layers as the f16 ones (one at 32k: 41 MiB of Q4), which that session's Intel VM kept in
 // its L3: BM_attend/two_tier at 32k with 1 thread ran at 386 tokens/s so, 212 from memory (the
@@ -71,8 +75,8 @@ bool fill(C& cache, seq_id s, std::size_t tokens) {
     const std::size_t n = std::min(step, tokens - t);
     if (!cache.reserve(s, n)) return false;
     for (std::uint32_t l = 0; l < cache.shape().layers; ++l) {
-      bench::fill_normal(k.data(), n * shape.token_width(), 1.0f, 1 + t + 7919 * l);
-      bench::fill_normal(v.data(), n * shape.token_width(), 1.0f, 2 + t + 7919 * l);
+      bench::fill_normal_fast(k.data(), n * shape.token_width(), 2 * (t + 65537 * l) + 1);
+      bench::fill_normal_fast(v.data(), n * shape.token_width(), 2 * (t + 65537 * l) + 2);
       const std::span<const float> ks(k.data(), n * shape.token_width()), vs(v.data(), n * shape.token_width());
       if (!cache.write(s, l, ks, vs)) return false;
     }
@@ -128,19 +132,72 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
   return true;
 }
 
+// The caches filled for the benchmark that runs now and their views ([cache][layer]), kept until
+// a benchmark needs others: Google Benchmark calls a benchmark's function once for each trial of
+// its iteration count and for each repetition, and filling caches of stream_bytes() each (about
+// a gigabyte where the L3 is 480 MiB) takes seconds. One set at a time, so that memory holds at
+// most BM_attend_paired's three caches; BM_attend's t:1 and t:2 variants of a cache share it (key).
+struct filled_set {
+  std::string key;
+  std::shared_ptr<void> caches;  // owns the caches the views point into
+  std::vector<std::vector<layer_view>> views;
+  std::string error;  // why building the set failed (views then empty)
+};
+
+// The set named key, built by build unless it is the one held (build sets error where it fails).
+const filled_set& held_views(const std::string& key, const std::function<void(filled_set&)>& build) {
+  static filled_set held;
+  if (held.key != key || !held.error.empty()) {
+    held = filled_set{};  // the old set freed before the new one is built
+    build(held);
+    held.key = key;
+    if (!held.error.empty()) {
+      held.views.clear();
+      held.caches.reset();
+    }
+  }
+  return held;
+}
+
+// Adds a cache (made, then filled with `tokens` tokens of one sequence) to set, its owner to
+// owners; false (set.error says why) where that fails.
 template <class C>
-void run(benchmark::State& state, C& cache, isa which, std::size_t tokens, unsigned threads) {
-  const bench::isa_scope scope(which);
-  if (!scope.ok) return state.SkipWithError("ISA not supported");
-  const std::optional<std::vector<layer_view>> views = filled_views(cache, tokens);
-  if (!views) return state.SkipWithError("cache fill failed");
-  if (!decode_steps(state, *views, threads, views->size())) return;
+bool add_filled(filled_set& set, result<C> made, std::size_t tokens, std::vector<std::shared_ptr<void>>& owners) {
+  if (!made) {
+    set.error = made.error().message;
+    return false;
+  }
+  auto cache = std::make_shared<C>(std::move(*made));  // filled where it stays: views point into it
+  std::optional<std::vector<layer_view>> views = filled_views(*cache, tokens);
+  if (!views) {
+    set.error = "cache fill failed";
+    return false;
+  }
+  set.views.push_back(std::move(*views));
+  owners.push_back(cache);
+  return true;
+}
+
+// The set named key of the caches made by the functions `makes` (each returning a result<cache>),
+// each filled with `tokens` tokens.
+template <class... Make>
+const filled_set& held_caches(const std::string& key, std::size_t tokens, Make... makes) {
+  return held_views(key, [&](filled_set& set) {
+    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    if ((add_filled(set, makes(), tokens, *owners) && ...)) set.caches = owners;
+  });
+}
+
+void run(benchmark::State& state, const filled_set& held, std::size_t tokens, unsigned threads) {
+  if (!held.error.empty()) return state.SkipWithError(held.error.c_str());
+  const std::vector<layer_view>& views = held.views.front();
+  if (!decode_steps(state, views, threads, views.size())) return;
   // Every layer's view holds the same bytes.
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(views->front())));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * view_bytes(views.front())));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["context"] = static_cast<double>(tokens);
-  state.counters["layers"] = static_cast<double>(views->size());
+  state.counters["layers"] = static_cast<double>(views.size());
 }
 
 // The caches of the table, empty, sized for `tokens` tokens of one sequence in `layers` layers.
@@ -162,23 +219,35 @@ result<two_tier_cache<>> make_two_tier(std::uint32_t layers = 1) {
   return two_tier_cache<>::create(tc);
 }
 
+// BM_attend's caches, filled under the benchmark's ISA (its conversions), as a decode loop's are.
+// held_caches keys: the cache and its context; f16 conversion rounds the same on every ISA, so
+// the f16 caches serve every ISA's benchmarks, while the two-tier cache's key names its ISA.
 void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_contiguous(tokens, layers_for(tokens));
-  if (!c) return state.SkipWithError(c.error().message.c_str());
-  run(state, *c, which, tokens, threads);
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
+  run(state,
+      held_caches("contiguous/" + std::to_string(tokens), tokens,
+                  [tokens] { return make_contiguous(tokens, layers_for(tokens)); }),
+      tokens, threads);
 }
 
 template <std::uint32_t Block>
 void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_paged(tokens, Block, layers_for(tokens));
-  if (!c) return state.SkipWithError(c.error().message.c_str());
-  run(state, *c, which, tokens, threads);
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
+  run(state,
+      held_caches("paged" + std::to_string(Block) + "/" + std::to_string(tokens), tokens,
+                  [tokens] { return make_paged(tokens, Block, layers_for(tokens)); }),
+      tokens, threads);
 }
 
 void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
-  auto c = make_two_tier(two_tier_layers_for(tokens));
-  if (!c) return state.SkipWithError(c.error().message.c_str());
-  run(state, *c, which, tokens, threads);
+  const bench::isa_scope scope(which);
+  if (!scope.ok) return state.SkipWithError("ISA not supported");
+  run(state,
+      held_caches("two_tier/" + std::string(to_string(which)) + "/" + std::to_string(tokens), tokens,
+                  [tokens] { return make_two_tier(two_tier_layers_for(tokens)); }),
+      tokens, threads);
 }
 
 // BM_attend_paired/<isa>/ctx:<tokens>/t:<threads>: the three caches of the table (contiguous f16,
@@ -193,14 +262,12 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
   const std::uint32_t layers = layers_for(tokens);
-  auto cc = make_contiguous(tokens, layers);
-  auto pg = make_paged(tokens, 16, layers);
-  auto tt = make_two_tier(two_tier_layers_for(tokens));
-  if (!cc || !pg || !tt) return state.SkipWithError("cache create failed");
-  const std::optional<std::vector<layer_view>> views[3] = {filled_views(*cc, tokens), filled_views(*pg, tokens),
-                                                            filled_views(*tt, tokens)};
-  for (const auto& v : views)
-    if (!v) return state.SkipWithError("cache fill failed");
+  const filled_set& held =
+      held_caches("paired/" + std::string(to_string(which)) + "/" + std::to_string(tokens), tokens,
+                  [&] { return make_contiguous(tokens, layers); }, [&] { return make_paged(tokens, 16, layers); },
+                  [&] { return make_two_tier(two_tier_layers_for(tokens)); });
+  if (!held.error.empty()) return state.SkipWithError(held.error.c_str());
+  const std::vector<layer_view>* views = held.views.data();
   std::vector<float> q(q_heads * head_dim), out(q.size());
   bench::fill_normal(q.data(), q.size(), 1.0f, 7);
   attention_workspace ws;
@@ -213,7 +280,7 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
     for (std::size_t j = 0; j < 3 && !failed; ++j) {
       const std::size_t c = (round + j) % 3;
       const auto t0 = std::chrono::steady_clock::now();
-      const result<void> r = attend(p, std::span(&(*views[c])[round % views[c]->size()], 1), q, out, ws);
+      const result<void> r = attend(p, std::span(&views[c][round % views[c].size()], 1), q, out, ws);
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
       seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -290,9 +357,10 @@ const bool registered = [] {
                 {"paged_b256/f16", paged_f16<256>, true}};
   for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon}) {
     if (kernels::find(i) == nullptr) continue;
+    // t:1 and t:2 of a cache one after the other: they share its filled cache (held_views).
     for (std::size_t tokens : {std::size_t{4096}, std::size_t{32768}})
-      for (unsigned threads : {1u, 2u})
-        for (const auto& c : caches) {
+      for (const auto& c : caches)
+        for (unsigned threads : {1u, 2u}) {
           if (c.long_only && tokens < 32768) continue;
           const std::string name = std::string("BM_attend/") + c.name + "/" + std::string(to_string(i)) +
                                    "/ctx:" + std::to_string(tokens) + "/t:" + std::to_string(threads);

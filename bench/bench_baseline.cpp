@@ -1,6 +1,7 @@
 // Memory bandwidth baselines every other benchmark is read against (see bench_common.hpp):
-// BM_read streams a 256 MiB buffer, BM_memcpy copies 128 MiB into another 128 MiB (read + write
-// counted), each with 1 and 2 threads (threads split the buffer).
+// BM_read streams a buffer of bench::stream_bytes() (256 MiB at least), as much as a cache of the
+// attention benchmarks holds, so that both read from memory; BM_memcpy copies 128 MiB into
+// another 128 MiB (read + write counted). Each with 1 and 2 threads (threads split the buffer).
 #include "bench_common.hpp"
 
 #include <cstdint>
@@ -8,7 +9,7 @@
 
 namespace {
 
-constexpr std::size_t read_bytes = std::size_t{256} << 20;
+std::size_t read_bytes() { return std::max(std::size_t{256} << 20, kvcache::bench::stream_bytes()); }
 constexpr std::size_t copy_bytes = std::size_t{128} << 20;
 
 // A buffer of distinct nonzero words (word i holds a multiple of a large odd constant), so that no
@@ -28,7 +29,7 @@ kvcache::bench::buffer distinct_words(std::size_t bytes) {
 }
 
 const kvcache::bench::buffer& read_buffer() {
-  static const kvcache::bench::buffer b = distinct_words(read_bytes);
+  static const kvcache::bench::buffer b = distinct_words(read_bytes());
   return b;
 }
 const kvcache::bench::buffer& copy_source() {
@@ -64,7 +65,7 @@ void BM_read(benchmark::State& state) {
     state.SkipWithError("allocation failed");
     return;
   }
-  const std::size_t per_thread = read_bytes / static_cast<std::size_t>(state.threads());
+  const std::size_t per_thread = read_bytes() / static_cast<std::size_t>(state.threads());
   const auto* words = buf.as<std::uint64_t>() + per_thread / 8 * static_cast<std::size_t>(state.thread_index());
   for (auto _ : state) benchmark::DoNotOptimize(sum_words(words, per_thread / 8));
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(per_thread));

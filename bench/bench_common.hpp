@@ -18,7 +18,8 @@
 //   - BM_read (bytes read) for every other benchmark.
 // It also prints GB/s over the run's CPU time and that ratio: on a shared, loaded machine these
 // approximate an unloaded core (memory-bound runs still share the memory bandwidth).
-// Baselines: BM_read and BM_memcpy over 256 MiB (well beyond the caches), 1 and 2 threads
+// Baselines: BM_read over stream_bytes() (256 MiB at least: beyond the caches, as the attention
+// benchmarks' caches are) and BM_memcpy of 128 MiB into 128 MiB, 1 and 2 threads
 // (BM_read/real_time/threads:2 ...). Their names start with "BM_read" / "BM_memcpy".
 #include <benchmark/benchmark.h>
 
@@ -28,6 +29,12 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
+#include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 #include <kvcache/detail/storage.hpp>
 #include <kvcache/half.hpp>
@@ -43,14 +50,33 @@ inline void compare_to_memcpy(benchmark::State& state) { state.counters[copy_lik
 
 /// Bytes a benchmark that streams a cache (or a copy of its store) reads in turn, at least (in
 /// the data's own format), so that no layer is still in the CPU's caches when its turn comes
-/// again: 4x the L3 of this project's first machines (32 MiB). Session 42's Intel VM reports
-/// 480 MiB of L3, shared with other guests: a throwaway read of 48 MiB (huge pages, best of 7
-/// passes) ran at 25 GB/s, of 96 MiB and more at 16-17 GB/s, its memory's speed.
-inline constexpr std::size_t stream_bytes = std::size_t{128} << 20;
+/// again: twice the largest cache Google Benchmark finds (the L3), at least 128 MiB (4x the L3 of
+/// this project's first machines), at most a sixteenth of the memory (where that is known) but
+/// never below 128 MiB. It was a fixed 128 MiB until session 45, whose Intel VM (480 MiB of L3,
+/// shared with other guests) kept much of that in its L3: a throwaway read (huge pages, best of 7
+/// passes) ran at 30 GB/s over 32 MiB, 24.6 over 128 MiB and 16 over 512 MiB and 2 GiB, and attention
+/// over a contiguous f16 cache at 32k tokens (one 128 MiB layer) read at 1.11x BM_read, over 1 GiB
+/// of layers at 0.78x (session 42 had measured 16-17 GB/s from 96 MiB up on the same kind of VM:
+/// how much of the L3 a guest gets changes from day to day).
+inline std::size_t stream_bytes() {
+  static const std::size_t bytes = [] {
+    constexpr std::size_t floor = std::size_t{128} << 20;
+    std::size_t largest = 0;
+    for (const auto& c : benchmark::CPUInfo::Get().caches)
+      if (c.type != "Instruction" && c.size > 0) largest = std::max(largest, static_cast<std::size_t>(c.size));
+    std::size_t b = std::max(floor, 2 * largest);
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) b = std::min(b, std::max(floor, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 16));
+#endif
+    return b;
+  }();
+  return bytes;
+}
 
-/// Layers (or copies) of `layer_bytes` each that make stream_bytes: at least one.
+/// Layers (or copies) of `layer_bytes` each that make stream_bytes(): at least one.
 inline std::uint32_t layers_for_bytes(std::size_t layer_bytes) {
-  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes + layer_bytes - 1) / layer_bytes));
+  return static_cast<std::uint32_t>(std::max<std::size_t>(1, (stream_bytes() + layer_bytes - 1) / layer_bytes));
 }
 
 /// Zero-filled (so every page is touched before timing) heap buffer, allocated as the caches
@@ -123,6 +149,31 @@ inline void fill_normal(float* p, std::size_t n, float sd = 1.0f, std::uint64_t 
 inline void fill_normal(half* p, std::size_t n, float sd = 1.0f, std::uint64_t seed = 42) {
   normal_source nd(seed, sd);
   for (std::size_t i = 0; i < n; ++i) p[i] = to_half(nd());
+}
+
+/// Fills n floats with N(0, 1) values, fast, for caches of stream_bytes() (a gigabyte and more,
+/// where normal_source, at about 10 ns a value, took most of a benchmark's set-up): runs of 1024
+/// (one 8 x 128 token row) copied from a table of 2^20 values drawn once by normal_source, each
+/// from an offset drawn from `seed` (splitmix64). Every value is N(0, 1) and no two rows of a
+/// cache are likely alike; values within a run are independent, runs may overlap in the table.
+inline void fill_normal_fast(float* p, std::size_t n, std::uint64_t seed) {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(std::size_t{1} << 20);
+    normal_source nd(0x5EEDF00Dull);
+    for (float& x : t) x = nd();
+    return t;
+  }();
+  constexpr std::size_t run = 1024;
+  std::uint64_t state = seed;
+  for (std::size_t i = 0; i < n; i += run) {
+    state += 0x9E3779B97F4A7C15ull;  // splitmix64
+    std::uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const std::size_t at = static_cast<std::size_t>(z % (table.size() - run + 1));
+    std::memcpy(p + i, table.data() + at, std::min(run, n - i) * sizeof(float));
+  }
 }
 
 /// Makes `i` the active ISA for the lifetime of the object (ok: whether it could), then restores

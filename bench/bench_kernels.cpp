@@ -281,7 +281,7 @@ void attend_step_q4_stream(benchmark::State& s, const kernels::table* t, std::ui
     return base + g / slab_groups * slab_bytes + (h * slab_groups + g % slab_groups) * pair;
   };
   // Allocated as the two-tier cache allocates its store slabs (huge pages advised); as many
-  // copies (layers) as make bench::stream_bytes, read in turn, so that the store streams from
+  // copies (layers) as make bench::stream_bytes(), read in turn, so that the store streams from
   // memory: one layer at 32k is 40 MiB, which session 42's Intel VM kept in its L3 (there, in
   // session 43, /stream read one layer at 112 M tokens/s, 0.94 of /l2; four in turn at 75, 0.64).
   static const std::vector<kvcache::detail::storage> stores = [&] {

@@ -6,10 +6,12 @@
 # bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the same run with
 # the same thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
 # measured paired (BM_attend_paired: one step of each cache in turn, which a machine whose speed
-# drifts disturbs less than separate benchmarks). Each cache holds enough layers for 128 MiB of its
-# own K+V (f16: 8 at 4k, 1 at 32k; two-tier Q4: 26 and 4) and each step reads the next layer, so
-# that every figure is of K+V read from memory, as in an engine's decode loop (bench_attend.cpp,
-# layers_for); the BM_read baseline reads huge pages, as attention does (bench_common.hpp, buffer).
+# drifts disturbs less than separate benchmarks). Each cache holds enough layers for
+# bench::stream_bytes() of its own K+V (twice the L3 Google Benchmark reports, at least 128 MiB;
+# on a VM with 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each
+# step reads the next layer, so that every figure is of K+V read from memory, as in an engine's
+# decode loop (bench_attend.cpp, layers_for); the BM_read baseline reads as many bytes (256 MiB at
+# least), from huge pages, as attention does (bench_common.hpp: stream_bytes, buffer).
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
