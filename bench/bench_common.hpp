@@ -67,7 +67,10 @@ inline std::size_t stream_bytes() {
     std::size_t b = std::max(floor, 2 * largest);
 #if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-    if (pages > 0 && page > 0) b = std::min(b, std::max(floor, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 16));
+    if (pages > 0 && page > 0) {
+      const std::size_t memory = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+      b = std::min(b, std::max(floor, memory / 16));
+    }
 #endif
     return b;
   }();
@@ -152,7 +155,7 @@ inline void fill_normal(half* p, std::size_t n, float sd = 1.0f, std::uint64_t s
 }
 
 /// Fills n floats with N(0, 1) values, fast, for caches of stream_bytes() (a gigabyte and more,
-/// where normal_source, at about 10 ns a value, took most of a benchmark's set-up): runs of 1024
+/// which normal_source took tens of seconds to fill, most of a benchmark's run): runs of 1024
 /// (one 8 x 128 token row) copied from a table of 2^20 values drawn once by normal_source, each
 /// from an offset drawn from `seed` (splitmix64). Every value is N(0, 1) and no two rows of a
 /// cache are likely alike; values within a run are independent, runs may overlap in the table.
