@@ -19,7 +19,7 @@
 // It also prints GB/s over the run's CPU time and that ratio: on a shared, loaded machine these
 // approximate an unloaded core (memory-bound runs still share the memory bandwidth).
 // Baselines: BM_read over stream_bytes() (256 MiB at least: beyond the caches, as the attention
-// benchmarks' caches are) and BM_memcpy of 128 MiB into 128 MiB, 1 and 2 threads
+// benchmarks' caches are) and BM_memcpy of stream_bytes() / 2 into as much, 1 and 2 threads
 // (BM_read/real_time/threads:2 ...). Their names start with "BM_read" / "BM_memcpy".
 #include <benchmark/benchmark.h>
 

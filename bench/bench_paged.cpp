@@ -1,6 +1,9 @@
 // Paged cache benchmarks, with the contiguous cache at the same shapes for comparison
 // (8 layers, 8 KV heads x 128 head_dim, active ISA for the f32 -> f16 conversion):
-//   BM_append/<cache>/<format>/tokens:<n>  reserve + write every layer + commit of n tokens.
+//   BM_append/<cache>/<format>/tokens:<n>  reserve + write every layer + commit of n tokens, into a
+//       sequence of append_capacity(format) tokens (truncated to 0 when full): bench::stream_bytes()
+//       of K+V, so that the writes go to memory as BM_memcpy's do (until session 45: 4096 tokens,
+//       128 MiB of f16, which a VM with 480 MiB of L3 partly kept there).
 //       Bytes = f32 K+V read + stored K+V written (copy-like: compared with BM_memcpy).
 //   BM_view/<cache>/<format>/ctx:<tokens>  view() of every layer of a `tokens`-token sequence and
 //       a streaming read of every chunk's K and V. Bytes = K+V bytes read (compared with BM_read).
@@ -22,10 +25,15 @@ using namespace kvcache;
 
 const geometry shape{8, 8, 128};
 constexpr std::uint32_t block = 16;
-constexpr std::size_t append_capacity = 4096;  // tokens per sequence in the append benchmarks
-constexpr std::size_t view_tokens = 4096;      // sequence length in the view benchmarks
+constexpr std::size_t view_tokens = 4096;  // sequence length in the view benchmarks
 
 std::size_t stored_bytes_per_token(format f) { return 2 * shape.layers * shape.token_width() * dense_element_bytes(f); }
+
+// Tokens per sequence in the append benchmarks: bench::stream_bytes() of K+V in format f, at least
+// 4096, a multiple of 256 (the largest append).
+std::size_t append_capacity(format f) {
+  return std::max<std::size_t>(4096, bench::stream_bytes() / stored_bytes_per_token(f) / 256 * 256);
+}
 
 result<paged_cache<>> make_paged(format f, std::size_t tokens) {
   paged_config<> pc;
@@ -178,12 +186,12 @@ const bool registered = [] {
     for (const std::size_t n : {std::size_t{1}, std::size_t{16}, std::size_t{256}}) {
       benchmark::RegisterBenchmark(("BM_append/paged/" + fs + "/tokens:" + std::to_string(n)).c_str(),
                                    [f, n](benchmark::State& st) {
-                                     append(st, make_paged(f, append_capacity), f, n, append_capacity);
+                                     append(st, make_paged(f, append_capacity(f)), f, n, append_capacity(f));
                                    })
           ->UseRealTime();
       benchmark::RegisterBenchmark(("BM_append/contiguous/" + fs + "/tokens:" + std::to_string(n)).c_str(),
                                    [f, n](benchmark::State& st) {
-                                     append(st, make_contiguous(f, append_capacity), f, n, append_capacity);
+                                     append(st, make_contiguous(f, append_capacity(f)), f, n, append_capacity(f));
                                    })
           ->UseRealTime();
     }
