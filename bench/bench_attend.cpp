@@ -9,7 +9,7 @@
 // layer's K+V then comes from memory, not from the L3 where a single 4k layer (16 MB) stays
 // between steps (until session 35 the 4k figures were of that case; until session 45 the caches
 // held 128 MiB, which a VM with 480 MiB of L3 partly kept there). The filled caches are kept from
-// one call of a benchmark to the next (held_views), and shared by its t:1 and t:2 variants.
+// one call of a benchmark to the next (held_caches), and shared by its t:1 and t:2 variants.
 #include "bench_common.hpp"
 
 #include <kvcache/attend.hpp>
@@ -20,7 +20,6 @@
 #include <kvcache/two_tier_cache.hpp>
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -139,30 +138,15 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
 // most BM_attend_paired's three caches; BM_attend's t:1 and t:2 variants of a cache share it (key).
 struct filled_set {
   std::string key;
-  std::shared_ptr<void> caches;  // owns the caches the views point into
+  std::vector<std::shared_ptr<void>> caches;  // own the caches the views point into
   std::vector<std::vector<layer_view>> views;
-  std::string error;  // why building the set failed (views then empty)
+  std::string error;  // why building the set failed (views and caches then empty)
 };
 
-// The set named key, built by build unless it is the one held (build sets error where it fails).
-const filled_set& held_views(const std::string& key, const std::function<void(filled_set&)>& build) {
-  static filled_set held;
-  if (held.key != key || !held.error.empty()) {
-    held = filled_set{};  // the old set freed before the new one is built
-    build(held);
-    held.key = key;
-    if (!held.error.empty()) {
-      held.views.clear();
-      held.caches.reset();
-    }
-  }
-  return held;
-}
-
-// Adds a cache (made, then filled with `tokens` tokens of one sequence) to set, its owner to
-// owners; false (set.error says why) where that fails.
+// Adds a cache (made, then filled with `tokens` tokens of one sequence) to set; false (set.error
+// says why) where that fails.
 template <class C>
-bool add_filled(filled_set& set, result<C> made, std::size_t tokens, std::vector<std::shared_ptr<void>>& owners) {
+bool add_filled(filled_set& set, result<C> made, std::size_t tokens) {
   if (!made) {
     set.error = made.error().message;
     return false;
@@ -174,18 +158,29 @@ bool add_filled(filled_set& set, result<C> made, std::size_t tokens, std::vector
     return false;
   }
   set.views.push_back(std::move(*views));
-  owners.push_back(cache);
+  set.caches.push_back(std::move(cache));
   return true;
 }
 
 // The set named key of the caches made by the functions `makes` (each returning a result<cache>),
-// each filled with `tokens` tokens.
+// each filled with `tokens` tokens: the one held if it has that name, else built in its place (the
+// old set freed first; a set that failed is built again on the next call). One slot for every
+// kind of set, hence a function-local static outside this template.
+filled_set& held_slot() {
+  static filled_set held;
+  return held;
+}
 template <class... Make>
 const filled_set& held_caches(const std::string& key, std::size_t tokens, Make... makes) {
-  return held_views(key, [&](filled_set& set) {
-    auto owners = std::make_shared<std::vector<std::shared_ptr<void>>>();
-    if ((add_filled(set, makes(), tokens, *owners) && ...)) set.caches = owners;
-  });
+  filled_set& held = held_slot();
+  if (held.key == key && held.error.empty()) return held;
+  held = filled_set{};
+  held.key = key;
+  if (!(add_filled(held, makes(), tokens) && ...)) {
+    held.views.clear();
+    held.caches.clear();
+  }
+  return held;
 }
 
 void run(benchmark::State& state, const filled_set& held, std::size_t tokens, unsigned threads) {
@@ -357,7 +352,7 @@ const bool registered = [] {
                 {"paged_b256/f16", paged_f16<256>, true}};
   for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon}) {
     if (kernels::find(i) == nullptr) continue;
-    // t:1 and t:2 of a cache one after the other: they share its filled cache (held_views).
+    // t:1 and t:2 of a cache one after the other: they share its filled cache (held_caches).
     for (std::size_t tokens : {std::size_t{4096}, std::size_t{32768}})
       for (const auto& c : caches)
         for (unsigned threads : {1u, 2u}) {
