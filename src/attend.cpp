@@ -270,6 +270,12 @@ const chunk* chunk_ahead(const layer_view& view, std::uint32_t ci, std::uint32_t
 // Whether chunk c is a Q4 group with Q4 values, with tokens.
 bool is_q4_group(const chunk& c) { return c.k_format == format::q4 && c.v_format == format::q4 && c.tokens > 0; }
 
+// Whether Q4 group b lies right after group a in memory for kv head h (b's keys start where a's
+// values end), as consecutive slots of a two-tier store slab do ({key group, value group} each).
+bool follows(const chunk& a, const chunk& b, std::uint32_t h, std::uint32_t hd) {
+  return b.k_head(h) == a.v_head(h) + value_head_bytes(a, hd);
+}
+
 // Whole Q4 groups handed to one call of table::attend_q4 (run_heads).
 constexpr std::uint32_t q4_run = 16;
 
@@ -540,9 +546,9 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
 // (gathered over as many chunks as it takes) is scored for every head of the range, each head's
 // online-softmax step taken, and its values summed while the tile's keys and values are still in
-// cache. One head at a time reads a contiguous cache's K and V as two sequential streams, and a
-// two-tier store's groups as one; all heads of a task together read a paged block (every head
-// side by side) as one.
+// cache. One head at a time reads a contiguous cache's K and V as two sequential streams; all
+// heads of a task together read a paged block (every head side by side) as one, and a two-tier
+// store slab by slab (a slab's rows of a layer, head after head: store_end).
 // Where the kernel table has a fused Q4 step (table::attend_q4), a Q4 group with Q4 values is a
 // tile of its own: one call per head does its scores, softmax step and values.
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
@@ -550,8 +556,15 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // next_head: the head the task reads next over the same tokens (its first rows are prefetched at
 // the end of this one's), or no_head. limit: tokens per tile; ahead: tokens the prefetch stream
 // runs ahead of the reads (chunk_ahead).
+// ends: whether the call sets the heads' states up (start) and writes their results (finish); a
+// task that reads its range in several calls (run_task: a two-tier store, then its tail) keeps
+// the states in the worker's scratch between them, head h at base + (h - ha) * head_floats.
+struct pass_ends {
+  bool start = true, finish = true;
+};
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
-               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead) {
+               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
+               pass_ends ends = {}) {
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
@@ -559,7 +572,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
-  for (std::uint32_t h = ha; h < hb; ++h) {
+  for (std::uint32_t h = ha; h < hb && ends.start; ++h) {
     const head_state hs = st(h);
     const float* qh = c.q + (seq * c.kv_heads + h) * gd;
     for (std::size_t i = 0; i < gd; ++i) {
@@ -596,10 +609,17 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // call at 1.017x with 1 thread but 0.93x with 2 (BM_attend_paired). (This VM's hardware
         // prefetchers do not follow the step's reads: without software prefetch, attend ran at
         // 0.32x.)
+        // Several heads (a two-tier store, run_task) take the run of groups that lie one after
+        // the other in memory (follows), head after head: every head's groups of one slab in
+        // turn, which reads the slab's rows of this layer as one stream; one head takes runs of
+        // q4_run groups. The kernel gets them q4_run at a time and pairs them into tiles; a run
+        // of several heads holds an even number of groups (but at the range's end), so that the
+        // pairs, and with them every head's sums, are the same however a task's heads are read.
         kernels::q4_group_ref gr[q4_run];
         std::uint32_t n = 1;
-        while (n < q4_run && ci + n < end && is_q4_group(view.chunks[ci + n]) &&
-               range.tokens_of(ci + n) == view.chunks[ci + n].tokens)
+        while (ci + n < end && is_q4_group(view.chunks[ci + n]) &&
+               range.tokens_of(ci + n) == view.chunks[ci + n].tokens &&
+               (hb - ha > 1 ? n % 2 == 1 || follows(view.chunks[ci + n - 1], view.chunks[ci + n], ha, hd) : n < q4_run))
           ++n;
         // Each group prefetches the one read two groups later (q4_group_ref::ahead_k, ahead_v): in
         // the run, the group two further on; past its end, the same head's next run (after the
@@ -607,31 +627,35 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // the next head's first groups (where the range starts with a whole group).
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
-          for (std::uint32_t j = 0; j < n; ++j) {
-            const chunk& cj = view.chunks[ci + j];
-            const chunk* aj = nullptr;
-            std::uint32_t ah = h;
-            if (j + 2 < n) {
-              aj = &view.chunks[ci + j + 2];
-            } else if (h + 1 < hb) {  // the next head's first groups of this run
-              aj = &view.chunks[ci + std::min(j + 2 - n, n - 1)];
-              ah = h + 1;
-            } else {  // the next run's first groups (head ha), or the next head's
-              const std::uint32_t ai = ci + n + std::min(j + 2 - n, n - 1);
-              ah = ha;
-              if (ai < end) {
-                aj = &view.chunks[ai];
-              } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
-                aj = &view.chunks[b.ci + (ai - end)];
-                ah = next_head;
+          for (std::uint32_t j0 = 0; j0 < n; j0 += q4_run) {
+            const std::uint32_t count = std::min(q4_run, n - j0);
+            for (std::uint32_t j = j0; j < j0 + count; ++j) {
+              const chunk& cj = view.chunks[ci + j];
+              const chunk* aj = nullptr;
+              std::uint32_t ah = h;
+              if (j + 2 < n) {
+                aj = &view.chunks[ci + j + 2];
+              } else if (h + 1 < hb) {  // the next head's first groups of this run
+                aj = &view.chunks[ci + std::min(j + 2 - n, n - 1)];
+                ah = h + 1;
+              } else {  // the next run's first groups (head ha), or the next head's
+                const std::uint32_t ai = ci + n + std::min(j + 2 - n, n - 1);
+                ah = ha;
+                if (ai < end) {
+                  aj = &view.chunks[ai];
+                } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
+                  aj = &view.chunks[b.ci + (ai - end)];
+                  ah = next_head;
+                }
               }
+              if (aj != nullptr && !(is_q4_group(*aj) && prefetchable(*aj, hd))) aj = nullptr;
+              gr[j - j0] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)),
+                            reinterpret_cast<const std::uint8_t*>(cj.v_head(h)), cj.tokens,
+                            aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->k_head(ah)),
+                            aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->v_head(ah))};
             }
-            if (aj != nullptr && !(is_q4_group(*aj) && prefetchable(*aj, hd))) aj = nullptr;
-            gr[j] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)), reinterpret_cast<const std::uint8_t*>(cj.v_head(h)),
-                     cj.tokens, aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->k_head(ah)),
-                     aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->v_head(ah))};
+            c.kt->attend_q4(hs.qf, g, gr, count, hd, hs.run_max, hs.run_sum, hs.acc);
           }
-          c.kt->attend_q4(hs.qf, g, gr, n, hd, hs.run_max, hs.run_sum, hs.acc);
         }
         ci += n - 1;
         start_ci = ci + 1;  // the tile starts after it
@@ -666,6 +690,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
   }
 
+  if (!ends.finish) return;
   if (partial != nullptr) {
     const std::size_t pfl = partial_floats(g, hd);
     for (std::uint32_t h = ha; h < hb; ++h) {
@@ -691,7 +716,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 // blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
 // prefetch stream cannot take them (prefetchable: 64-token blocks of f32 heads wider than 128 or
 // f16 heads wider than 256), or where a chunk's kv heads lie apart rather than side by side (the
-// two-tier store, which keeps each head's groups in one run). Small chunks with their heads side by
+// two-tier cache, whose Q4 store run_task then reads slab by slab, all heads together, and its
+// tail head by head: store_end). Small chunks with their heads side by
 // side (paged blocks of 16 to 64 tokens) are read all heads together, so that each chunk is one
 // stream. 64-token blocks were read head by head until session 33 (measured on Zen 4 then: 0.78 of
 // contiguous all heads together, 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8
@@ -719,6 +745,31 @@ bool empty_part(const call& c, std::size_t seq, std::uint32_t part) {
   const cursor& b = c.bounds[seq * (c.parts + 1) + part];
   const cursor& e = c.bounds[seq * (c.parts + 1) + part + 1];
   return b.ci == e.ci && b.off == e.off;
+}
+
+// Where the fused Q4 step (table::attend_q4) reads a range [b, e) of a view that starts with whole
+// Q4 groups of a two-tier store (keys and values Q4, heads apart): the cursor after those groups
+// (where the tail, or e, begins); b where the range does not start so.
+//
+// run_task reads those groups with all of a task's heads together rather than head by head: the
+// groups of one slab, head after head (run_heads), so that a decode step reads each slab's rows of
+// the layer (slab layout [layer][kv_head][slot], two_tier_cache.hpp) in address order, where head
+// by head it jumped from slab to slab (about 110 KiB a run with the default 22-group slabs of 24
+// layers of 8 x 128). Measured on the Intel VM of session 46 (in-process alternation of decode
+// steps over 24 layers of a two-tier cache at 32k tokens, 1 thread): head by head ran 1.08-1.09x
+// slower with the default slabs than with slabs of the whole sequence (1024 groups), linearly in
+// the number of slabs (about 7 us a slab); slab by slab it ran 1.09x faster than head by head, as
+// fast as whole-sequence slabs. A synthetic of the same layout (/tmp throwaway: 5 KiB groups, 4
+// FMAs a line, each line's twin two groups ahead prefetched into L2) read 13.6 GB/s slab by slab
+// and 12.9 head by head; in runs of 16 groups cut at slab ends, 13.4 (in attend 1.015x). In
+// BM_attend (two process alternations) 1.05-1.07x at 4k and 32k tokens, 1 and 2 threads. The FP16
+// tail stays head by head: with it read all heads together in tiles as well, a 4k step with 2
+// threads ran 0.91x as fast as before (1.07x without a tail).
+cursor store_end(const call& c, const layer_view& view, cursor b, cursor e) {
+  if (c.kt->attend_q4 == nullptr || b.off != 0) return b;
+  std::uint32_t q = b.ci;
+  while (q < e.ci && is_q4_group(view.chunks[q])) ++q;
+  return {q, 0};
 }
 
 // A task is one sequence and a run of its kv heads, read head by head or all heads together
@@ -761,6 +812,17 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   }
   if (head_by_head(view, c.head_dim)) {
     const std::uint32_t limit = large_tile(view);
+    const cursor q = store_end(c, view, b, e);
+    if (h1 - h0 > 1 && q.ci > b.ci) {
+      // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
+      // rest (its FP16 tail) head by head; the heads' states stay in the scratch in between.
+      run_heads(c, seq, h0, h1, base, worker, b, q, partial, limit, no_head, prefetch_tokens, {true, false});
+      for (std::uint32_t h = h0; h < h1; ++h)
+        run_heads(c, seq, h, h + 1, base + (h - h0) * c.head_floats, worker, q, e,
+                  partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit, h + 1 < h1 ? h + 1 : no_head,
+                  prefetch_tokens, {false, true});
+      return;
+    }
     for (std::uint32_t h = h0; h < h1; ++h)
       run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit,
                 h + 1 < h1 ? h + 1 : no_head, prefetch_tokens);
@@ -858,7 +920,8 @@ constexpr std::size_t tasks_per_worker = 4;
 // A batch (at least as many sequences as workers) is cut finer too, tasks_per_worker tasks a
 // worker at least: whole sequences left a batch of 3 on 2 workers, or of ragged lengths, waiting
 // for the worker with the most tokens. Views read head by head (contiguous and two-tier caches:
-// each head is a stream of its own) into runs of kv heads, which changes no sum; paged blocks,
+// each head is a stream of its own, or a two-tier store's slab rows one after the other) into runs
+// of kv heads, which changes no sum; paged blocks,
 // read all heads together, into token parts (a split by heads would read half blocks: 0.56-0.69x
 // for one sequence on 2 workers), as many as reserve()'s partial results hold. Measured on Zen 5
 // (2 threads, 8 kv x 128, in-process alternation with whole sequences): contiguous 3 x 8k tokens

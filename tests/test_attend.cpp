@@ -815,6 +815,73 @@ TEST_P(attend_isa, over_every_real_cache) {
   }
 }
 
+// A two-tier store is read slab by slab, with all of a task's kv heads (run_task, store_end) where
+// its groups lie one after another, and its tail head by head. Slabs of odd sizes end runs at odd
+// groups and the tail starts anywhere: each head's result must still be that of the head read
+// alone (a view of that kv head only, read in runs of whole q4_run groups), bitwise, and match
+// the float64 reference over the stored values. One layer and two (the slab rows of one layer lie
+// apart), 1 thread (one task of every head) and 2 (parts of the tokens, merged).
+TEST_P(attend_isa, two_tier_store_read_slab_by_slab) {
+  isa_scope scope(GetParam());
+  std::mt19937 rng(46);
+  const std::uint32_t kv_heads = 4, head_dim = 64, group = 4, q_heads = kv_heads * group;
+  for (std::uint32_t layers : {1u, 2u})
+    for (std::uint32_t slab : {1u, 3u, 5u, 16u})
+      for (std::uint32_t n : {31u, 33u, 97u, 352u, 1000u}) {
+        const std::string what = "layers " + std::to_string(layers) + " slab_groups " + std::to_string(slab) +
+                                 " tokens " + std::to_string(n);
+        kvcache::two_tier_config tc;
+        tc.shape = {layers, kv_heads, head_dim};
+        tc.tail_tokens = 32;
+        tc.slab_groups = slab;
+        auto cache = kvcache::two_tier_cache<>::create(tc).value();
+        const kvcache::seq_id sq = cache.create().value();
+        const kv_data d = random_kv(rng, 1, kv_heads * head_dim, n);
+        const std::size_t w = static_cast<std::size_t>(kv_heads) * head_dim;
+        for (std::uint32_t t = 0; t < n;) {
+          const std::uint32_t step = std::min<std::uint32_t>(n - t, 1 + static_cast<std::uint32_t>(rng() % 40));
+          ASSERT_TRUE(cache.reserve(sq, step).has_value()) << what;
+          const std::span<const float> ks(d.k.data() + t * w, step * w), vs(d.v.data() + t * w, step * w);
+          for (std::uint32_t l = 0; l < layers; ++l) ASSERT_TRUE(cache.write(sq, l, ks, vs).has_value()) << what;
+          ASSERT_TRUE(cache.commit(sq).has_value()) << what;
+          t += step;
+        }
+        const layer_view view = cache.view(sq, layers - 1).value();
+        const std::vector<float> q = random_q(rng, static_cast<std::size_t>(q_heads) * head_dim, 1.0f);
+        std::vector<double> k, v;
+        decode_view(view, kv_heads, head_dim, k, v);
+        const auto ref = reference(q, q_heads, kv_heads, head_dim, n, k, v, 1.0 / std::sqrt(double{head_dim}));
+        double vmax = 1e-30;
+        for (double x : v) vmax = std::max(vmax, std::abs(x));
+        const double tol = int8_values() ? int8_values_tol : int8_keys() ? int8_keys_tol : arithmetic_tol;
+        attention_workspace ws;
+        for (unsigned threads : {1u, 2u}) {
+          std::vector<float> out(q.size());
+          const attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
+          ASSERT_TRUE(kvcache::attend(p, std::span<const layer_view>(&view, 1), q, out, ws).has_value()) << what;
+          for (std::size_t j = 0; j < out.size(); ++j)
+            ASSERT_NEAR(out[j], ref[j], tol * vmax) << what << " threads " << threads << " element " << j;
+          if (threads != 1) continue;
+          for (std::uint32_t h = 0; h < kv_heads; ++h) {
+            std::vector<kvcache::chunk> one(view.count);
+            for (std::uint32_t i = 0; i < view.count; ++i) {
+              one[i] = view.chunks[i];
+              one[i].k = view.chunks[i].k_head(h);
+              one[i].v = view.chunks[i].v_head(h);
+            }
+            const layer_view alone{one.data(), view.count, view.tokens};
+            const std::span<const float> qh(q.data() + static_cast<std::size_t>(h) * group * head_dim, group * head_dim);
+            std::vector<float> oh(qh.size());
+            const attention_params ph{group, 1, head_dim, 0.0f, 1, {}};
+            ASSERT_TRUE(kvcache::attend(ph, std::span<const layer_view>(&alone, 1), qh, oh, ws).has_value()) << what;
+            EXPECT_EQ(0, std::memcmp(oh.data(), out.data() + static_cast<std::size_t>(h) * group * head_dim,
+                                     oh.size() * sizeof(float)))
+                << what << " kv head " << h;
+          }
+        }
+      }
+}
+
 INSTANTIATE_TEST_SUITE_P(isas, attend_isa, ::testing::ValuesIn(supported_isas()),
                          [](const ::testing::TestParamInfo<isa>& i) { return std::string(kvcache::to_string(i.param)); });
 
