@@ -85,8 +85,8 @@ class attention_workspace {
 /// each chunk's K and V are read as one stream); with several workers a batch is cut finer, into
 /// tasks of about a sequence's share of 4 tasks a worker each (the longest handed out first), so
 /// that sequences of unequal lengths share the workers evenly: a long sequence among short ones
-/// is cut, the short ones stay whole. Into runs of kv heads where its views are read head by head
-/// (contiguous and two-tier caches), else (paged blocks) into token parts of at least 512 tokens
+/// is cut, the short ones stay whole. Into runs of kv heads where its views keep each kv head
+/// apart (contiguous and two-tier caches), else (paged blocks) into token parts of at least 512 tokens
 /// merged as below, as many as the workspace holds and so few that the merge reads at most a
 /// sixteenth of what a worker reads. With fewer
 /// sequences than workers, each sequence's tokens are split into parts of at least 512 tokens

@@ -18,8 +18,9 @@
 ///   copies, `// [32][head_dim]` per head. A slab of `slab_groups` group slots is
 ///   `// [layer][kv_head][slot]{key group, value group}`: a view chunk's heads lie a slab row
 ///   apart (head strides of slab_groups key and value groups), and one head's groups in
-///   consecutive slots are one run, which attention reads head by head as a single stream. A
-///   growing sequence takes its slots in ascending order.
+///   consecutive slots are one run. A growing sequence takes its slots in ascending order, so a
+///   slab's rows of one layer (every head's run) are one region, which attention with the fused
+///   Q4 step reads in address order: slab by slab, head after head (src/attend.cpp, store_end).
 ///
 /// Allocation policy (stats() reports exactly what is allocated):
 /// - a sequence's tail ring is allocated by its first reserve() and kept until release();
