@@ -609,17 +609,18 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // call at 1.017x with 1 thread but 0.93x with 2 (BM_attend_paired). (This VM's hardware
         // prefetchers do not follow the step's reads: without software prefetch, attend ran at
         // 0.32x.)
-        // Several heads (a two-tier store, run_task) take the run of groups that lie one after
-        // the other in memory (follows), head after head: every head's groups of one slab in
-        // turn, which reads the slab's rows of this layer as one stream; one head takes runs of
-        // q4_run groups. The kernel gets them q4_run at a time and pairs them into tiles; a run
-        // of several heads holds an even number of groups (but at the range's end), so that the
-        // pairs, and with them every head's sums, are the same however a task's heads are read.
+        // A run is q4_run groups, and with several heads (a two-tier store, run_task) as many
+        // more as lie one after the other in memory (follows), head after head: every head's
+        // groups of one slab in turn (slabs of q4_run groups or more), which reads the slab's rows
+        // of this layer as one stream. The kernel gets them q4_run at a time and pairs them into
+        // tiles; a run of several heads holds an even number of groups (but at the range's end),
+        // so that the pairs, and with them every head's sums, are those of the head read alone.
         kernels::q4_group_ref gr[q4_run];
         std::uint32_t n = 1;
         while (ci + n < end && is_q4_group(view.chunks[ci + n]) &&
                range.tokens_of(ci + n) == view.chunks[ci + n].tokens &&
-               (hb - ha > 1 ? n % 2 == 1 || follows(view.chunks[ci + n - 1], view.chunks[ci + n], ha, hd) : n < q4_run))
+               (n < q4_run ||
+                (hb - ha > 1 && (n % 2 == 1 || follows(view.chunks[ci + n - 1], view.chunks[ci + n], ha, hd)))))
           ++n;
         // Each group prefetches the one read two groups later (q4_group_ref::ahead_k, ahead_v): in
         // the run, the group two further on; past its end, the same head's next run (after the

@@ -817,17 +817,17 @@ TEST_P(attend_isa, over_every_real_cache) {
 
 // A two-tier store is read slab by slab, with all of a task's kv heads (run_task, store_end) where
 // its groups lie one after another, and its tail head by head. Slabs of odd sizes end runs at odd
-// groups and the tail starts anywhere: each head's result must still be that of the head read
-// alone (a view of that kv head only, read in runs of whole q4_run groups), bitwise, and match
-// the float64 reference over the stored values. One layer and two (the slab rows of one layer lie
-// apart), 1 thread (one task of every head) and 2 (parts of the tokens, merged).
+// groups (17, 33: past q4_run) and the tail starts anywhere: each head's result must still be that
+// of the head read alone (a view of that kv head only, read in runs of q4_run groups), bitwise,
+// and match the float64 reference over the stored values. One layer and two (the slab rows of one
+// layer lie apart), 1 thread (one task of every head) and 2 (parts of the tokens, merged).
 TEST_P(attend_isa, two_tier_store_read_slab_by_slab) {
   isa_scope scope(GetParam());
   std::mt19937 rng(46);
   const std::uint32_t kv_heads = 4, head_dim = 64, group = 4, q_heads = kv_heads * group;
   for (std::uint32_t layers : {1u, 2u})
-    for (std::uint32_t slab : {1u, 3u, 5u, 16u})
-      for (std::uint32_t n : {31u, 33u, 97u, 352u, 1000u}) {
+    for (std::uint32_t slab : {1u, 5u, 16u, 17u, 33u})
+      for (std::uint32_t n : {31u, 33u, 97u, 352u, 1000u, 2200u}) {
         const std::string what = "layers " + std::to_string(layers) + " slab_groups " + std::to_string(slab) +
                                  " tokens " + std::to_string(n);
         kvcache::two_tier_config tc;
