@@ -813,20 +813,16 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   }
   if (head_by_head(view, c.head_dim)) {
     const std::uint32_t limit = large_tile(view);
-    const cursor q = store_end(c, view, b, e);
-    if (h1 - h0 > 1 && q.ci > b.ci) {
-      // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
-      // rest (its FP16 tail) head by head; the heads' states stay in the scratch in between.
-      run_heads(c, seq, h0, h1, base, worker, b, q, partial, limit, no_head, prefetch_tokens, {true, false});
-      for (std::uint32_t h = h0; h < h1; ++h)
-        run_heads(c, seq, h, h + 1, base + (h - h0) * c.head_floats, worker, q, e,
-                  partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit, h + 1 < h1 ? h + 1 : no_head,
-                  prefetch_tokens, {false, true});
-      return;
-    }
+    // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
+    // rest (its FP16 tail) head by head, each head's state kept in the scratch in between; without
+    // such groups every head in turn over the whole range, in one state's place.
+    const cursor q = h1 - h0 > 1 ? store_end(c, view, b, e) : b;
+    const bool store = q.ci > b.ci;
+    if (store) run_heads(c, seq, h0, h1, base, worker, b, q, partial, limit, no_head, prefetch_tokens, {true, false});
     for (std::uint32_t h = h0; h < h1; ++h)
-      run_heads(c, seq, h, h + 1, base, worker, b, e, partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit,
-                h + 1 < h1 ? h + 1 : no_head, prefetch_tokens);
+      run_heads(c, seq, h, h + 1, store ? base + (h - h0) * c.head_floats : base, worker, q, e,
+                partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit, h + 1 < h1 ? h + 1 : no_head,
+                prefetch_tokens, {!store, true});
   } else {
     const std::uint32_t tile = all_heads_tile(c.head_dim);
     run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, tile / 2);

@@ -717,6 +717,24 @@ void decode_view(const layer_view& v, std::uint32_t H, std::uint32_t D, std::vec
 // Fills sequences of lengths 1, 33 and 200 of `cache` (in steps of up to 7 tokens, as decode
 // does), attends over their views, and checks against float64 attention over the views'
 // decoded values and, loosely, over the written f32 values.
+// Appends the n tokens of d (rows [token][kv_head * head_dim]) to sequence s in every layer of the
+// cache, reserve / write / commit in steps of 1 to max_step tokens (drawn from rng).
+template <class C>
+::testing::AssertionResult append_all(C& cache, kvcache::seq_id s, const kv_data& d, std::uint32_t n, std::mt19937& rng,
+                                      std::uint32_t max_step) {
+  const std::size_t w = cache.shape().token_width();
+  for (std::uint32_t t = 0; t < n;) {
+    const std::uint32_t step = std::min<std::uint32_t>(n - t, 1 + static_cast<std::uint32_t>(rng() % max_step));
+    if (!cache.reserve(s, step)) return ::testing::AssertionFailure() << "reserve at token " << t;
+    const std::span<const float> ks(d.k.data() + t * w, step * w), vs(d.v.data() + t * w, step * w);
+    for (std::uint32_t l = 0; l < cache.shape().layers; ++l)
+      if (!cache.write(s, l, ks, vs)) return ::testing::AssertionFailure() << "write at token " << t << " layer " << l;
+    if (!cache.commit(s)) return ::testing::AssertionFailure() << "commit at token " << t;
+    t += step;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 template <class C>
 void check_cache(C& cache, const char* what, double tol_vs_written, double tol_vs_views = arithmetic_tol) {
   std::mt19937 rng(11);
@@ -728,15 +746,7 @@ void check_cache(C& cache, const char* what, double tol_vs_written, double tol_v
     const kvcache::seq_id s = cache.create().value();
     seqs.push_back(s);
     const kv_data d = random_kv(rng, 1, static_cast<std::uint32_t>(g.token_width()), n);
-    for (std::uint32_t t = 0; t < n;) {
-      const std::uint32_t step = std::min<std::uint32_t>(n - t, 1 + static_cast<std::uint32_t>(rng() % 7));
-      const std::size_t w = g.token_width();
-      ASSERT_TRUE(cache.reserve(s, step).has_value());
-      const std::span<const float> ks(d.k.data() + t * w, step * w), vs(d.v.data() + t * w, step * w);
-      for (std::uint32_t l = 0; l < g.layers; ++l) ASSERT_TRUE(cache.write(s, l, ks, vs).has_value());
-      ASSERT_TRUE(cache.commit(s).has_value());
-      t += step;
-    }
+    ASSERT_TRUE(append_all(cache, s, d, n, rng, 7)) << what;
     written_k.push_back(d.k);
     written_v.push_back(d.v);
   }
@@ -837,15 +847,7 @@ TEST_P(attend_isa, two_tier_store_read_slab_by_slab) {
         auto cache = kvcache::two_tier_cache<>::create(tc).value();
         const kvcache::seq_id sq = cache.create().value();
         const kv_data d = random_kv(rng, 1, kv_heads * head_dim, n);
-        const std::size_t w = static_cast<std::size_t>(kv_heads) * head_dim;
-        for (std::uint32_t t = 0; t < n;) {
-          const std::uint32_t step = std::min<std::uint32_t>(n - t, 1 + static_cast<std::uint32_t>(rng() % 40));
-          ASSERT_TRUE(cache.reserve(sq, step).has_value()) << what;
-          const std::span<const float> ks(d.k.data() + t * w, step * w), vs(d.v.data() + t * w, step * w);
-          for (std::uint32_t l = 0; l < layers; ++l) ASSERT_TRUE(cache.write(sq, l, ks, vs).has_value()) << what;
-          ASSERT_TRUE(cache.commit(sq).has_value()) << what;
-          t += step;
-        }
+        ASSERT_TRUE(append_all(cache, sq, d, n, rng, 40)) << what;
         const layer_view view = cache.view(sq, layers - 1).value();
         const std::vector<float> q = random_q(rng, static_cast<std::size_t>(q_heads) * head_dim, 1.0f);
         std::vector<double> k, v;
