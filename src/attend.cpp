@@ -446,40 +446,79 @@ void score_chunk(const call& c, const task_range& range, std::uint32_t ci, std::
     kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + first, n, hd, s, c.tile, next);
 }
 
-// score_chunk for kv heads [ha, hb) of a dense chunk in one kernel call (a paged block read all
-// heads together, whose heads' states lie head_floats apart), while the prefetch stream runs:
-// one call per block rather than one per head, whose set-up cost as much as a fifth of a 16-token
-// call. Measured on Zen 5 (paged f16, 16-token blocks, in-process alternation with per-head
-// calls, 80-600 rounds): 1.00-1.08x at 32k and 4k tokens, 1 and 2 threads (median about 1.03x).
-// False where it does not apply (one head, Q4 keys, no such kernel, a head stride that is not a
-// whole number of elements, no stream yet): the caller then scores head by head.
-bool score_heads(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t off, std::uint32_t n,
-                 const float* qf, float* s, prefetch_stream& pf) {
+// Whether kv heads [ha, hb) of chunk ch are scored in one kernel call (score_heads): dense keys
+// whose head stride is a whole number of elements, two heads or more, and the table has such a
+// kernel.
+bool heads_in_one_call(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t hb) {
   const kernels::table& kt = *c.kt;
-  if (hb - ha < 2 || !pf.active()) return false;
+  if (hb - ha < 2) return false;
   const bool f16 = ch.k_format == format::f16;
   if (!(f16 ? kt.scores_f16_heads != nullptr : ch.k_format == format::f32 && kt.scores_f32_heads != nullptr)) return false;
+  return ch.k_head_stride % dense_element_bytes(ch.k_format) == 0;
+}
+
+// Lines of the keys of n tokens of kv heads [ha, hb) of dense chunk ch.
+std::size_t key_lines(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t n) {
+  return lines_of(static_cast<std::size_t>(hb - ha) * n * c.head_dim * dense_element_bytes(ch.k_format));
+}
+
+// score_chunk for kv heads [ha, hb) of a dense chunk in one kernel call (a paged block read all
+// heads together, whose heads' states lie head_floats apart), where heads_in_one_call: one call per
+// block rather than one per head, whose set-up cost as much as a fifth of a 16-token call.
+// Measured on Zen 5 (paged f16, 16-token blocks, in-process alternation with per-head calls,
+// 80-600 rounds): 1.00-1.08x at 32k and 4k tokens, 1 and 2 threads (median about 1.03x). The
+// kernel prefetches region `next` while it runs.
+void score_heads(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t off, std::uint32_t n,
+                 const float* qf, float* s, kernels::prefetch_region next) {
+  const kernels::table& kt = *c.kt;
   const std::size_t elem = dense_element_bytes(ch.k_format);
-  if (ch.k_head_stride % elem != 0) return false;
   const std::uint32_t hd = c.head_dim;
   const std::size_t first = static_cast<std::size_t>(off) * hd, stride = ch.k_head_stride / elem;
-  const kernels::prefetch_region next = pf.take(lines_of(static_cast<std::size_t>(hb - ha) * n * hd * elem));
-  if (f16)
+  if (ch.k_format == format::f16)
     kt.scores_f16_heads(qf, c.head_floats, c.group, reinterpret_cast<const half*>(ch.k_head(ha)) + first, stride, hb - ha,
                         n, hd, s, c.head_floats, c.tile, next);
   else
     kt.scores_f32_heads(qf, c.head_floats, c.group, reinterpret_cast<const float*>(ch.k_head(ha)) + first, stride,
                         hb - ha, n, hd, s, c.head_floats, c.tile, next);
-  return true;
+}
+
+// Part i of n of region r (n >= 1), as even as bytes go.
+kernels::prefetch_region piece(kernels::prefetch_region r, std::uint32_t i, std::uint32_t n) {
+  const std::size_t a = r.bytes * i / n, b = r.bytes * (i + 1) / n;
+  return {static_cast<const std::byte*>(r.p) + a, b - a};
+}
+
+// The rows of kv heads [ha, hb) (hb > ha) of chunk ch, keys or values, as one region: from head
+// ha's first row to the end of head hb - 1's (with the unused rows between the heads of a partly
+// filled block).
+kernels::prefetch_region heads_rows(const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd, bool values) {
+  const std::size_t stride = values ? ch.v_head_stride : ch.k_head_stride;
+  const std::size_t last = values ? value_head_bytes(ch, hd) : key_head_bytes(ch, hd);
+  return {values ? ch.v_head(ha) : ch.k_head(ha), (hb - ha - 1) * stride + last};
+}
+
+// The part of the next tile's keys (those of chunks nxt[0, m), kv heads [ha, hb)) that the value
+// pass's call for head ha + k prefetches: chunk j = k m / (hb - ha), in even parts among the heads
+// that take it. With fewer heads than chunks some chunks go without (run_task does not prefetch
+// by phase then).
+kernels::prefetch_region next_keys(const chunk* const* nxt, std::uint32_t m, std::uint32_t k, std::uint32_t ha,
+                                   std::uint32_t hb, std::uint32_t hd) {
+  if (m == 0) return {};
+  const std::uint32_t nh = hb - ha, j = k * m / nh;
+  const std::uint32_t k0 = ceil_div(j * nh, m), k1 = ceil_div((j + 1) * nh, m);  // the heads k with k m / nh == j
+  return piece(heads_rows(*nxt[j], ha, hb, hd, false), k - k0, k1 - k0);
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
-// all the tile's chunks is one call that keeps its accumulators in registers. While the prefetch
-// stream pf runs (small chunks, whose rows it has prefetched), each kernel call takes as many of
-// its lines as the call reads; otherwise a dense kernel prefetches its next rows (ahead_rows).
+// all the tile's chunks is one call that keeps its accumulators in registers. Where `phase` is
+// set (a task that prefetches by phase, run_heads), the kernel calls prefetch it, in even parts
+// where there are several; else while the prefetch stream pf runs (small chunks, whose rows it has
+// prefetched), each kernel call takes as many of its lines as the call reads; otherwise a dense
+// kernel prefetches its next rows (ahead_rows).
 void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
-                     std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf) {
+                     std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf,
+                     const kernels::prefetch_region* phase) {
   const layer_view& view = *range.view;
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   // Lines of the values of n tokens of chunk ch.
@@ -509,20 +548,29 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
     }
     // The stream's share, or the rows after the tile's last segment.
     if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc,
-                                pf.active() ? pf.take(lines)
-                                            : ahead_rows(view.chunks[last], range.after(last, h), true, h, hd, last_off,
-                                                         last_n)))
+                                phase != nullptr ? *phase
+                                : pf.active()    ? pf.take(lines)
+                                                 : ahead_rows(view.chunks[last], range.after(last, h), true, h, hd,
+                                                              last_off, last_n)))
       return;
   }
   const kernels::table& kt = *c.kt;
-  std::uint32_t done = 0;
+  std::uint32_t calls = 0;  // kernel calls below, for the phase's parts
+  if (phase != nullptr)
+    for (std::uint32_t cj = ci, o = off, done = 0; done < filled; ++cj, o = 0)
+      if (view.chunks[cj].tokens > 0) {
+        done += std::min(filled - done, view.chunks[cj].tokens - o);
+        ++calls;
+      }
+  std::uint32_t done = 0, call_index = 0;
   for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
     const chunk& ch = view.chunks[cj];
     if (ch.tokens == 0) continue;
     const std::uint32_t n = std::min(filled - done, ch.tokens - o);
     const std::byte* vb = ch.v_head(h);
     const float* p = s + done;
-    const kernels::prefetch_region ahead = pf.active() ? pf.take(lines_read(ch, n))
+    const kernels::prefetch_region ahead = phase != nullptr ? piece(*phase, call_index++, calls)
+                                           : pf.active()    ? pf.take(lines_read(ch, n))
                                            : ch.v_format == format::q4
                                                ? kernels::prefetch_region{}
                                                : ahead_rows(ch, range.after(cj, h), true, h, hd, o, n);
@@ -562,6 +610,7 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 struct pass_ends {
   bool start = true, finish = true;
 };
+constexpr std::uint32_t by_phase = 0;  // run_heads' `ahead`: prefetch by phase
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
                cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
                pass_ends ends = {}) {
@@ -570,6 +619,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const layer_view& view = c.views[seq];
   const task_range range(view, b, e, next_head);
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
+  const bool phased = ahead == by_phase;
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb && ends.start; ++h) {
@@ -666,15 +716,23 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > limit) break;
       const std::uint32_t n = std::min(limit - filled, ch_tokens - off);
-      if (off == 0) {
+      if (!phased && off == 0) {
         const chunk* a = chunk_ahead(view, ci, end, hd, ahead);
         if (a != nullptr) pf.queue(*a, ha, hb, hd);
       }
-      if (!score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled, pf))
+      if (heads_in_one_call(c, ch, ha, hb) && (phased || pf.active())) {
+        // By phase, the chunk's values, which the tile's value pass reads next, while its keys are
+        // scored (where the chunk starts: a chunk split between two tiles is prefetched once);
+        // else the stream's share.
+        score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled,
+                    phased ? (off == 0 ? heads_rows(ch, ha, hb, hd, true) : kernels::prefetch_region{})
+                           : pf.take(key_lines(c, ch, ha, hb, n)));
+      } else {
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
           score_chunk(c, range, ci, h, off, n, hs.qf, hs.s + filled, pf);
         }
+      }
       filled += n;
       if (off + n < ch_tokens) {  // the tile is full inside this chunk
         off += n;
@@ -684,10 +742,22 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     if (filled == 0) break;  // only empty chunks were left
     std::uint32_t first = start_ci;  // the tile's first chunk with tokens
     while (view.chunks[first].tokens == 0) ++first;
+    // By phase, the value pass prefetches the next tile's keys (those of its chunks nxt[0, m),
+    // which start at the cursor), each head's call a part of them (next_keys).
+    const chunk* nxt[max_tile];
+    std::uint32_t m = 0;
+    for (std::uint32_t j = ci, o = off, got = 0; phased && j < end && got < limit && m < max_tile; ++j, o = 0) {
+      const std::uint32_t t = range.tokens_of(j);
+      if (t <= o) continue;
+      nxt[m++] = &view.chunks[j];
+      got += t - o;
+    }
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
-      accumulate_tile(c, range, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf);
+      const kernels::prefetch_region keys = phased ? next_keys(nxt, m, h - ha, ha, hb, hd) : kernels::prefetch_region{};
+      accumulate_tile(c, range, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf,
+                      phased ? &keys : nullptr);
     }
   }
 
@@ -825,7 +895,11 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
                 prefetch_tokens, {!store, true});
   } else {
     const std::uint32_t tile = all_heads_tile(c.head_dim);
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, tile / 2);
+    // By phase where the task has as many kv heads as a tile has chunks (next_keys covers them
+    // all), else the prefetch stream half a tile ahead.
+    const std::uint32_t per_chunk = std::max<std::uint32_t>(1, view.tokens / view.count);
+    const bool phase = h1 - h0 >= 2 && h1 - h0 >= ceil_div(tile, per_chunk);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, phase ? by_phase : tile / 2);
   }
 }
 
