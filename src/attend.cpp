@@ -227,13 +227,16 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // That was with 128-token tiles, which a task reading all heads together no longer uses: those
 // tasks' tiles are all_heads_tile long and their stream runs half a tile ahead (see there); 64
 // tokens stays the distance of tasks that read head by head (large paged blocks: one chunk ahead).
+// Since session 47 a task that reads all heads together prefetches by phase instead, where it has
+// as many kv heads as a tile has chunks (by_phase, at run_heads).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
 // Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
 // of 16 to 64 tokens, see head_by_head): tile x head_dim = 8192 elements, a multiple of 32 from 32 to
-// max_tile (128 tokens at head_dim 64, 64 at 128, 32 at 256), with the prefetch stream half a tile
-// ahead. Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
+// max_tile (128 tokens at head_dim 64, 64 at 128, 32 at 256). Chosen with the prefetch stream half
+// a tile ahead (prefetched by phase since session 47, where 128-token tiles at head_dim 128 ran
+// 0.91-0.92x and 32-token 0.975-0.98x as fast as 64 on the Intel VM). Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
 // alternation of paged and contiguous steps (medians of 10 to 14 rounds, ratio paged / contiguous),
 // against 128-token tiles 64 tokens ahead (the setting of every head_dim before):
 //   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
@@ -546,7 +549,7 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
       lines += lines_read(ch, n);
       done += n;
     }
-    // The stream's share, or the rows after the tile's last segment.
+    // The phase's part, the stream's share, or the rows after the tile's last segment.
     if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc,
                                 phase != nullptr ? *phase
                                 : pf.active()    ? pf.take(lines)
@@ -603,14 +606,33 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
 // next_head: the head the task reads next over the same tokens (its first rows are prefetched at
 // the end of this one's), or no_head. limit: tokens per tile; ahead: tokens the prefetch stream
-// runs ahead of the reads (chunk_ahead).
+// runs ahead of the reads (chunk_ahead), or by_phase (below).
 // ends: whether the call sets the heads' states up (start) and writes their results (finish); a
 // task that reads its range in several calls (run_task: a two-tier store, then its tail) keeps
 // the states in the worker's scratch between them, head h at base + (h - ha) * head_floats.
 struct pass_ends {
   bool start = true, finish = true;
 };
-constexpr std::uint32_t by_phase = 0;  // run_heads' `ahead`: prefetch by phase
+// Prefetch by phase (`ahead` == by_phase): run_task's tasks that read paged blocks all heads
+// together, where they have as many kv heads as a tile has chunks. Each phase of a tile prefetches
+// the rows the next phase reads, as many bytes as it reads itself, spread over its rows: scoring a
+// chunk's keys (all heads, one call) prefetches the chunk's values, which the tile's value pass
+// reads next; the value pass (a call a head) prefetches the next tile's keys, each head's call a
+// part of them (next_keys). Every line is so requested about one phase (a tile's keys or values:
+// 128 KiB at head_dim 128 with 8 kv heads) before it is read. It replaced the prefetch stream (the
+// chunks half a tile ahead, in address order, at the kernels' read rate) for these tasks. Session
+// 47, Intel VM (family 6 model 167, AVX-512), 8 kv heads, 32 queries, f16, 32k tokens:
+//   scripts/perf_report.sh, old and new library alternating (2 runs each): paged_b64 / contiguous
+//   (one block a tile, so that reads and prefetches walk the blocks in address order) 0.79-0.81 ->
+//   0.92-0.94; 16-token blocks 0.82-0.87 both separately, 0.84-0.87 -> 0.86-0.89 paired;
+//   a paged cache's steps alone (medians of 12 rounds of 8 layers, old and new alternating, 3-5
+//   rounds): head_dim 128 and 16-token blocks 1.04x (2 threads 1.02x, f32 1.01x, AVX2 1.04x,
+//   32-token blocks 1.02x, 64-token 1.16x); head_dim 256 1.00-1.06x (64-token blocks 1.08x);
+//   head_dim 64 0.97-0.99x;
+//   not better, at head_dim 128: two phases ahead (scoring prefetching the next tile's keys, the
+//   value pass its values) 0.985-0.99x; the value pass chunk by chunk (every head of a chunk in
+//   turn, so that it reads the values in address order) 0.92x.
+constexpr std::uint32_t by_phase = 0;
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
                cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
                pass_ends ends = {}) {
