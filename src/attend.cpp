@@ -624,7 +624,8 @@ struct pass_ends {
 // 47, Intel VM (family 6 model 167, AVX-512), 8 kv heads, 32 queries, f16, 32k tokens:
 //   scripts/perf_report.sh, old and new library alternating (2 runs each): paged_b64 / contiguous
 //   (one block a tile, so that reads and prefetches walk the blocks in address order) 0.79-0.81 ->
-//   0.92-0.94; 16-token blocks 0.82-0.87 both separately, 0.84-0.87 -> 0.86-0.89 paired;
+//   0.92-0.94; 16-token blocks 0.82-0.87 both separately, paired 0.84-0.92 (six of eight
+//   0.84-0.86) -> 0.86-0.89;
 //   a paged cache's steps alone (medians of 12 rounds of 8 layers, old and new alternating, 3-5
 //   rounds): head_dim 128 and 16-token blocks 1.04x (2 threads 1.02x, f32 1.01x, AVX2 1.04x,
 //   32-token blocks 1.02x, 64-token 1.16x); head_dim 256 1.00-1.06x (64-token blocks 1.08x);
