@@ -485,9 +485,9 @@ void score_heads(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t
                         hb - ha, n, hd, s, c.head_floats, c.tile, next);
 }
 
-// Part i of n of region r (n >= 1), as even as bytes go.
-kernels::prefetch_region piece(kernels::prefetch_region r, std::uint32_t i, std::uint32_t n) {
-  const std::size_t a = r.bytes * i / n, b = r.bytes * (i + 1) / n;
+// The part [from, to) of `total` (to <= total, total >= 1) of region r, as even as bytes go.
+kernels::prefetch_region piece(kernels::prefetch_region r, std::uint32_t from, std::uint32_t to, std::uint32_t total) {
+  const std::size_t a = r.bytes * from / total, b = r.bytes * to / total;
   return {static_cast<const std::byte*>(r.p) + a, b - a};
 }
 
@@ -509,14 +509,14 @@ kernels::prefetch_region next_keys(const chunk* const* nxt, std::uint32_t m, std
   if (m == 0) return {};
   const std::uint32_t nh = hb - ha, j = k * m / nh;
   const std::uint32_t k0 = ceil_div(j * nh, m), k1 = ceil_div((j + 1) * nh, m);  // the heads k with k m / nh == j
-  return piece(heads_rows(*nxt[j], ha, hb, hd, false), k - k0, k1 - k0);
+  return piece(heads_rows(*nxt[j], ha, hb, hd, false), k - k0, k - k0 + 1, k1 - k0);
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers. Where `phase` is
-// set (a task that prefetches by phase, run_heads), the kernel calls prefetch it, in even parts
-// where there are several; else while the prefetch stream pf runs (small chunks, whose rows it has
+// set (a task that prefetches by phase, run_heads), the kernel calls prefetch it, each call the
+// part its tokens are of the tile's; else while the prefetch stream pf runs (small chunks, whose rows it has
 // prefetched), each kernel call takes as many of its lines as the call reads; otherwise a dense
 // kernel prefetches its next rows (ahead_rows).
 void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
@@ -558,21 +558,14 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
       return;
   }
   const kernels::table& kt = *c.kt;
-  std::uint32_t calls = 0;  // kernel calls below, for the phase's parts
-  if (phase != nullptr)
-    for (std::uint32_t cj = ci, o = off, done = 0; done < filled; ++cj, o = 0)
-      if (view.chunks[cj].tokens > 0) {
-        done += std::min(filled - done, view.chunks[cj].tokens - o);
-        ++calls;
-      }
-  std::uint32_t done = 0, call_index = 0;
+  std::uint32_t done = 0;
   for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
     const chunk& ch = view.chunks[cj];
     if (ch.tokens == 0) continue;
     const std::uint32_t n = std::min(filled - done, ch.tokens - o);
     const std::byte* vb = ch.v_head(h);
     const float* p = s + done;
-    const kernels::prefetch_region ahead = phase != nullptr ? piece(*phase, call_index++, calls)
+    const kernels::prefetch_region ahead = phase != nullptr ? piece(*phase, done, done + n, filled)
                                            : pf.active()    ? pf.take(lines_read(ch, n))
                                            : ch.v_format == format::q4
                                                ? kernels::prefetch_region{}
