@@ -491,37 +491,50 @@ kernels::prefetch_region piece(kernels::prefetch_region r, std::uint32_t from, s
   return {static_cast<const std::byte*>(r.p) + a, b - a};
 }
 
-// The rows of kv heads [ha, hb) (hb > ha) of chunk ch, keys or values, as one region: from head
-// ha's first row to the end of head hb - 1's (with the unused rows between the heads of a partly
-// filled block).
-kernels::prefetch_region heads_rows(const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd, bool values) {
-  const std::size_t stride = values ? ch.v_head_stride : ch.k_head_stride;
-  const std::size_t last = values ? value_head_bytes(ch, hd) : key_head_bytes(ch, hd);
-  return {values ? ch.v_head(ha) : ch.k_head(ha), (hb - ha - 1) * stride + last};
+// The key rows of kv heads [ha, hb) (hb > ha) of chunk ch as one region: from head ha's first row
+// to the end of head hb - 1's (with the unused rows between the heads of a partly filled block).
+kernels::prefetch_region key_rows(const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t hd) {
+  return {ch.k_head(ha), (hb - ha - 1) * ch.k_head_stride + key_head_bytes(ch, hd)};
 }
 
-// The part of the next tile's keys (those of chunks nxt[0, m), kv heads [ha, hb)) that the value
-// pass's call for head ha + k prefetches: chunk j = k m / (hb - ha), in even parts among the heads
-// that take it. With fewer heads than chunks some chunks go without (run_task does not prefetch
-// by phase then).
-kernels::prefetch_region next_keys(const chunk* const* nxt, std::uint32_t m, std::uint32_t k, std::uint32_t ha,
-                                   std::uint32_t hb, std::uint32_t hd) {
-  if (m == 0) return {};
-  const std::uint32_t nh = hb - ha, j = k * m / nh;
-  const std::uint32_t k0 = ceil_div(j * nh, m), k1 = ceil_div((j + 1) * nh, m);  // the heads k with k m / nh == j
-  return piece(heads_rows(*nxt[j], ha, hb, hd, false), k - k0, k - k0 + 1, k1 - k0);
+// The chunks of a tile read all heads together (run_heads), each with the tokens [off, off + n)
+// the tile takes from it: where its prefetch pieces come from.
+struct tile_part {
+  std::uint32_t ci, off, n;
+};
+
+// The value rows of kv head h over a tile's parts[0, count) (count >= 1), one piece a part (none,
+// an empty one, for a Q4 part), into pieces[0, count): as one region, pieces[0] with the others
+// as its `more`.
+kernels::prefetch_region head_values(const layer_view& view, const tile_part* parts, std::uint32_t count,
+                                     std::uint32_t h, std::uint32_t hd, kernels::prefetch_region* pieces) {
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const chunk& ch = view.chunks[parts[j].ci];
+    const std::size_t row = ch.v_format == format::q4 ? 0 : hd * dense_element_bytes(ch.v_format);
+    pieces[j] = {ch.v_head(h) + parts[j].off * row, parts[j].n * row};
+  }
+  kernels::prefetch_region r = pieces[0];
+  r.more = pieces + 1;
+  r.more_count = count - 1;
+  return r;
+}
+
+// Piece j of region r (0: its first; j >= 1: more[j - 1]).
+kernels::prefetch_region nth_piece(const kernels::prefetch_region& r, std::uint32_t j) {
+  return j == 0 ? kernels::prefetch_region{r.p, r.bytes} : r.more[j - 1];
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
-// all the tile's chunks is one call that keeps its accumulators in registers. Where `phase` is
-// set (a task that prefetches by phase, run_heads), the kernel calls prefetch it, each call the
-// part its tokens are of the tile's; else while the prefetch stream pf runs (small chunks, whose rows it has
-// prefetched), each kernel call takes as many of its lines as the call reads; otherwise a dense
-// kernel prefetches its next rows (ahead_rows).
+// all the tile's chunks is one call that keeps its accumulators in registers. Where `then` is set
+// (a task that prefetches the piece ahead, run_heads), the kernel calls prefetch it: a region of
+// pieces (more_count > 0), one for each chunk of the tile, each call its chunk's; or one region,
+// each call the part its tokens are of the tile's. Else while the prefetch stream pf runs (small
+// chunks, whose rows it has prefetched), each kernel call takes as many of its lines as the call
+// reads; otherwise a dense kernel prefetches its next rows (ahead_rows).
 void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, std::uint32_t ci, std::uint32_t off,
                      std::uint32_t filled, const float* s, float* acc, unsigned worker, prefetch_stream& pf,
-                     const kernels::prefetch_region* phase) {
+                     const kernels::prefetch_region* then) {
   const layer_view& view = *range.view;
   const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
   // Lines of the values of n tokens of chunk ch.
@@ -549,9 +562,9 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
       lines += lines_read(ch, n);
       done += n;
     }
-    // The phase's part, the stream's share, or the rows after the tile's last segment.
+    // What the next call reads, the stream's share, or the rows after the tile's last segment.
     if (fused && c.fused_values(vf == format::f16, s, tile, g, segs, count, hd, acc,
-                                phase != nullptr ? *phase
+                                then != nullptr ? *then
                                 : pf.active()    ? pf.take(lines)
                                                  : ahead_rows(view.chunks[last], range.after(last, h), true, h, hd,
                                                               last_off, last_n)))
@@ -559,13 +572,14 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
   }
   const kernels::table& kt = *c.kt;
   std::uint32_t done = 0;
-  for (std::uint32_t cj = ci, o = off; done < filled; ++cj, o = 0) {
+  for (std::uint32_t cj = ci, o = off, j = 0; done < filled; ++cj, o = 0) {
     const chunk& ch = view.chunks[cj];
     if (ch.tokens == 0) continue;
     const std::uint32_t n = std::min(filled - done, ch.tokens - o);
     const std::byte* vb = ch.v_head(h);
     const float* p = s + done;
-    const kernels::prefetch_region ahead = phase != nullptr ? piece(*phase, done, done + n, filled)
+    const kernels::prefetch_region ahead = then != nullptr ? (then->more_count > 0 ? nth_piece(*then, j++)
+                                                                                  : piece(*then, done, done + n, filled))
                                            : pf.active()    ? pf.take(lines_read(ch, n))
                                            : ch.v_format == format::q4
                                                ? kernels::prefetch_region{}
@@ -599,34 +613,32 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // where `partial` is set (a part of a split sequence), unnormalised to partial[h - ha] for merge().
 // next_head: the head the task reads next over the same tokens (its first rows are prefetched at
 // the end of this one's), or no_head. limit: tokens per tile; ahead: tokens the prefetch stream
-// runs ahead of the reads (chunk_ahead), or by_phase (below).
+// runs ahead of the reads (chunk_ahead), or piece_ahead (below).
 // ends: whether the call sets the heads' states up (start) and writes their results (finish); a
 // task that reads its range in several calls (run_task: a two-tier store, then its tail) keeps
 // the states in the worker's scratch between them, head h at base + (h - ha) * head_floats.
 struct pass_ends {
   bool start = true, finish = true;
 };
-// Prefetch by phase (`ahead` == by_phase): run_task's tasks that read paged blocks all heads
-// together, where they have as many kv heads as a tile has chunks. Each phase of a tile prefetches
-// the rows the next phase reads, as many bytes as it reads itself, spread over its rows: scoring a
-// chunk's keys (all heads, one call) prefetches the chunk's values, which the tile's value pass
-// reads next; the value pass (a call a head) prefetches the next tile's keys, each head's call a
-// part of them (next_keys). Every line is so requested about one phase (a tile's keys or values:
-// 128 KiB at head_dim 128 with 8 kv heads) before it is read. It replaced the prefetch stream (the
-// chunks half a tile ahead, in address order, at the kernels' read rate) for these tasks. Session
-// 47, Intel VM (family 6 model 167, AVX-512), 8 kv heads, 32 queries, f16, 32k tokens:
-//   scripts/perf_report.sh, old and new library alternating (2 runs each): paged_b64 / contiguous
-//   (one block a tile, so that reads and prefetches walk the blocks in address order) 0.79-0.81 ->
-//   0.92-0.94; 16-token blocks 0.82-0.87 both separately, paired 0.84-0.92 (six of eight
-//   0.84-0.86) -> 0.86-0.89;
-//   a paged cache's steps alone (medians of 12 rounds of 8 layers, old and new alternating, 3-5
-//   rounds): head_dim 128 and 16-token blocks 1.04x (2 threads 1.02x, f32 1.01x, AVX2 1.04x,
-//   32-token blocks 1.02x, 64-token 1.16x); head_dim 256 1.00-1.06x (64-token blocks 1.08x);
-//   head_dim 64 0.97-0.99x;
-//   not better, at head_dim 128: two phases ahead (scoring prefetching the next tile's keys, the
-//   value pass its values) 0.985-0.99x; the value pass chunk by chunk (every head of a chunk in
-//   turn, so that it reads the values in address order) 0.92x.
-constexpr std::uint32_t by_phase = 0;
+// Prefetch a piece ahead (`ahead` == piece_ahead): run_task's tasks that read paged blocks all
+// heads together. Each kernel call prefetches, spread over its rows, what the task's next call
+// reads, the way a contiguous cache's head-by-head calls prefetch their own stream's next rows: a
+// block's score call (all heads) the next block's keys, and the tile's last one head ha's values
+// (in all the tile's blocks: a region of pieces, kernels::prefetch_region::more); the value call
+// of head h head h + 1's values, and the last head's the next tile's first block's keys. Every
+// line is so requested one call (16-32 KiB at head_dim 128 in f16) before it is read.
+// Session 48, Intel VM (family 6 model 167, AVX-512), f16, 8 kv heads x 128, 32 queries, 16-token
+// blocks, in-process alternation with a contiguous cache (medians of 12 rounds of 8 layers at 32k
+// tokens), against session 47's prefetch by phase (a block's score call prefetched that block's
+// values, which the tile's value pass read after the other blocks' keys; the value pass the next
+// tile's keys, each head's call a part of them: every line about one phase, 128 KiB, before it
+// was read), with the value kernels' rows_held (row_prefetch.inl): paged 1.13-1.18x faster at
+// 32k (contiguous 1.07-1.10x with rows_held alone), at 4k over 60 layers 1.13-1.17x, with 2
+// threads 1.12x, AVX2 1.03-1.05x; from cache (1k tokens, one layer) 0.95-0.97x. Farther was
+// worse: by phase with every prefetch moved 2 or 4 blocks later in the task's order (32-64 KiB
+// more ahead) 0.89x and 0.85x, 128-token tiles by phase 0.91-0.92x (lines come into L2, of 2
+// MiB: not for want of room; why, this VM's lack of hardware counters leaves open).
+constexpr std::uint32_t piece_ahead = 0;
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
                cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
                pass_ends ends = {}) {
@@ -635,7 +647,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const layer_view& view = c.views[seq];
   const task_range range(view, b, e, next_head);
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
-  const bool phased = ahead == by_phase;
+  const bool pieced = ahead == piece_ahead;
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb && ends.start; ++h) {
@@ -652,11 +664,12 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   }
 
   prefetch_stream pf;
+  tile_part parts[max_tile];                 // the tile's chunks with tokens
+  kernels::prefetch_region pieces[max_tile];  // a region of pieces (head_values)
   // Cursor: chunk ci, token offset off.
   std::uint32_t ci = b.ci, off = b.off;
   while (ci < end) {
-    std::uint32_t start_ci = ci, start_off = off;  // where the tile starts
-    std::uint32_t filled = 0;
+    std::uint32_t filled = 0, parts_in = 0;  // tokens and parts[0, parts_in) of the tile
     for (; ci < end && filled < limit; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
       const std::uint32_t ch_tokens = range.tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
@@ -725,24 +738,32 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
           }
         }
         ci += n - 1;
-        start_ci = ci + 1;  // the tile starts after it
-        start_off = 0;
         continue;
       }
       // A Q4 key group is scored whole (its tokens share the folded query); flush the tile first.
       if (ch.k_format == format::q4 && filled + ch.tokens > limit) break;
       const std::uint32_t n = std::min(limit - filled, ch_tokens - off);
-      if (!phased && off == 0) {
+      if (!pieced && off == 0) {
         const chunk* a = chunk_ahead(view, ci, end, hd, ahead);
         if (a != nullptr) pf.queue(*a, ha, hb, hd);
       }
-      if (heads_in_one_call(c, ch, ha, hb) && (phased || pf.active())) {
-        // By phase, the chunk's values, which the tile's value pass reads next, while its keys are
-        // scored (where the chunk starts: a chunk split between two tiles is prefetched once);
-        // else the stream's share.
-        score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled,
-                    phased ? (off == 0 ? heads_rows(ch, ha, hb, hd, true) : kernels::prefetch_region{})
-                           : pf.take(key_lines(c, ch, ha, hb, n)));
+      parts[parts_in++] = {ci, off, n};
+      if (heads_in_one_call(c, ch, ha, hb) && (pieced || pf.active())) {
+        // A piece ahead: the next chunk's keys where the tile goes on after this chunk, else head
+        // ha's values of the tile's chunks, which its value pass reads first. Otherwise the
+        // stream's share.
+        kernels::prefetch_region next{};
+        if (pieced) {
+          std::uint32_t j = ci + 1;
+          bool more = off + n == ch_tokens && filled + n < limit;
+          while (more && j < end && range.tokens_of(j) == 0) ++j;
+          more = more && j < end &&
+                 !(view.chunks[j].k_format == format::q4 && filled + n + view.chunks[j].tokens > limit);
+          next = more ? key_rows(view.chunks[j], ha, hb, hd) : head_values(view, parts, parts_in, ha, hd, pieces);
+        } else {
+          next = pf.take(key_lines(c, ch, ha, hb, n));
+        }
+        score_heads(c, ch, ha, hb, off, n, st(ha).qf, st(ha).s + filled, next);
       } else {
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
@@ -756,24 +777,23 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
     }
     if (filled == 0) break;  // only empty chunks were left
-    std::uint32_t first = start_ci;  // the tile's first chunk with tokens
-    while (view.chunks[first].tokens == 0) ++first;
-    // By phase, the value pass prefetches the next tile's keys (those of its chunks nxt[0, m),
-    // which start at the cursor), each head's call a part of them (next_keys).
-    const chunk* nxt[max_tile];
-    std::uint32_t m = 0;
-    for (std::uint32_t j = ci, o = off, got = 0; phased && j < end && got < limit && m < max_tile; ++j, o = 0) {
-      const std::uint32_t t = range.tokens_of(j);
-      if (t <= o) continue;
-      nxt[m++] = &view.chunks[j];
-      got += t - o;
-    }
+    const std::uint32_t first = parts[0].ci;  // the tile's first chunk with tokens
+    // A piece ahead: the value call of head h prefetches head h + 1's values, the last head's the
+    // keys of the next tile's first chunk (from the cursor on).
+    kernels::prefetch_region next_keys{};
+    for (std::uint32_t j = ci; pieced && j < end; ++j)
+      if (range.tokens_of(j) > (j == ci ? off : 0)) {
+        next_keys = key_rows(view.chunks[j], ha, hb, hd);
+        break;
+      }
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
-      const kernels::prefetch_region keys = phased ? next_keys(nxt, m, h - ha, ha, hb, hd) : kernels::prefetch_region{};
-      accumulate_tile(c, range, h, first, first == start_ci ? start_off : 0, filled, hs.s, hs.acc, worker, pf,
-                      phased ? &keys : nullptr);
+      const kernels::prefetch_region next =
+          !pieced ? kernels::prefetch_region{}
+          : h + 1 < hb ? head_values(view, parts, parts_in, h + 1, hd, pieces)
+                       : next_keys;
+      accumulate_tile(c, range, h, first, parts[0].off, filled, hs.s, hs.acc, worker, pf, pieced ? &next : nullptr);
     }
   }
 
@@ -911,11 +931,9 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
                 prefetch_tokens, {!store, true});
   } else {
     const std::uint32_t tile = all_heads_tile(c.head_dim);
-    // By phase where the task has as many kv heads as a tile has chunks (next_keys covers them
-    // all), else the prefetch stream half a tile ahead.
-    const std::uint32_t per_chunk = std::max<std::uint32_t>(1, view.tokens / view.count);
-    const bool phase = h1 - h0 >= 2 && h1 - h0 >= ceil_div(tile, per_chunk);
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, phase ? by_phase : tile / 2);
+    // A piece ahead where the task scores a block's heads in one call (two heads or more), else
+    // the prefetch stream half a tile ahead.
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, h1 - h0 >= 2 ? piece_ahead : tile / 2);
   }
 }
 

@@ -55,7 +55,7 @@ template <class T, int G, int NV>
     const float* pp = p + segs[sgi].p_offset;
     const std::uint32_t n = segs[sgi].tokens;
     for (std::uint32_t t = 0; t < n; ++t) {
-      pf.rows(1);
+      pf.rows_held(1);
       __m256 x[NV];
       for (int u = 0; u < NV; ++u) x[u] = load8(v + static_cast<std::size_t>(t) * hd + 8 * u);
       for (int i = 0; i < G; ++i) {

@@ -61,7 +61,7 @@ void block(const float* p, std::size_t p_stride, const value_segment* segs, std:
     const float* pp = p + segs[sgi].p_offset;
     const std::uint32_t n = segs[sgi].tokens;
     for (std::uint32_t t = 0; t < n; ++t) {
-      pf.rows(1);
+      pf.rows_held(1);
       __m512 x[NV];
       for (int u = 0; u < NV; ++u) x[u] = load16(v + static_cast<std::size_t>(t) * hd + 16 * u);
       for (int i = 0; i < G; ++i) {

@@ -370,7 +370,7 @@ void acc_tile(const float* p, std::size_t p_stride, const Vt* v, unsigned tokens
       a[i * ND + c] = (Partial && c == ND - 1) ? V::load_n(src, last) : V::load(src);
     }
   for (unsigned t = 0; t < tokens; ++t) {
-    pf.rows(1);
+    pf.rows_held(1);
     vf w[NQ];
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) w[i] = V::set1(p[i * p_stride + t]);

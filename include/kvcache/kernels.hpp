@@ -36,10 +36,15 @@ enum class q4_arith : std::uint8_t {
 /// Memory a dense kernel prefetches (read, into L1) while it works, a few lines per row it
 /// processes: typically the rows its caller reads next from the same stream, so that their loads
 /// are in flight during this call's arithmetic. Only a hint: never read otherwise, results do not
-/// depend on it, and an empty region ({}) prefetches nothing. It must lie within one allocation.
+/// depend on it, and an empty region ({}) prefetches nothing. Bytes [p, p + bytes) must lie within
+/// one allocation, and so must each further piece.
+/// Further pieces (more[0, more_count), each a region of its own whose `more` is ignored) follow
+/// the first in that order: the rows of one kv head in each of several paged blocks.
 struct prefetch_region {
   const void* p = nullptr;
   std::size_t bytes = 0;
+  const prefetch_region* more = nullptr;
+  std::uint32_t more_count = 0;
 };
 
 /// One Q4 group of table::attend_q4: key group k and value group v (format.hpp) of `tokens`
