@@ -503,19 +503,22 @@ struct tile_part {
   std::uint32_t ci, off, n;
 };
 
-// The value rows of kv head h over a tile's parts[0, count) (count >= 1), one piece a part (none,
-// an empty one, for a Q4 part), into pieces[0, count): as one region, pieces[0] with the others
-// as its `more`.
+// The value rows of kv heads [h0, h1) (h1 > h0) over a tile's parts[0, count) (count >= 1), head
+// after head, one piece a part (an empty one for a Q4 part), into pieces[0, max_tile): as one
+// region, pieces[0] with the others as its `more` (the first max_tile pieces).
 kernels::prefetch_region head_values(const layer_view& view, const tile_part* parts, std::uint32_t count,
-                                     std::uint32_t h, std::uint32_t hd, kernels::prefetch_region* pieces) {
-  for (std::uint32_t j = 0; j < count; ++j) {
-    const chunk& ch = view.chunks[parts[j].ci];
-    const std::size_t row = ch.v_format == format::q4 ? 0 : hd * dense_element_bytes(ch.v_format);
-    pieces[j] = {ch.v_head(h) + parts[j].off * row, parts[j].n * row};
-  }
+                                     std::uint32_t h0, std::uint32_t h1, std::uint32_t hd,
+                                     kernels::prefetch_region* pieces) {
+  std::uint32_t m = 0;
+  for (std::uint32_t h = h0; h < h1; ++h)
+    for (std::uint32_t j = 0; j < count && m < max_tile; ++j) {
+      const chunk& ch = view.chunks[parts[j].ci];
+      const std::size_t row = ch.v_format == format::q4 ? 0 : hd * dense_element_bytes(ch.v_format);
+      pieces[m++] = {ch.v_head(h) + parts[j].off * row, parts[j].n * row};
+    }
   kernels::prefetch_region r = pieces[0];
   r.more = pieces + 1;
-  r.more_count = count - 1;
+  r.more_count = m - 1;
   return r;
 }
 
@@ -670,6 +673,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   std::uint32_t ci = b.ci, off = b.off;
   while (ci < end) {
     std::uint32_t filled = 0, parts_in = 0;  // tokens and parts[0, parts_in) of the tile
+    std::uint32_t lead = 1;                  // heads whose values the tile's last score call prefetches
     for (; ci < end && filled < limit; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
       const std::uint32_t ch_tokens = range.tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
@@ -749,9 +753,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
       parts[parts_in++] = {ci, off, n};
       if (heads_in_one_call(c, ch, ha, hb) && (pieced || pf.active())) {
-        // A piece ahead: the next chunk's keys where the tile goes on after this chunk, else head
-        // ha's values of the tile's chunks, which its value pass reads first. Otherwise the
-        // stream's share.
+        // A piece ahead: the next chunk's keys where the tile goes on after this chunk; else as
+        // many bytes of the values its value pass reads first as this call reads (lead heads:
+        // those of the first heads, over all the tile's chunks). Otherwise the stream's share.
         kernels::prefetch_region next{};
         if (pieced) {
           std::uint32_t j = ci + 1;
@@ -759,7 +763,15 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
           while (more && j < end && range.tokens_of(j) == 0) ++j;
           more = more && j < end &&
                  !(view.chunks[j].k_format == format::q4 && filled + n + view.chunks[j].tokens > limit);
-          next = more ? key_rows(view.chunks[j], ha, hb, hd) : head_values(view, parts, parts_in, ha, hd, pieces);
+          if (more) {
+            next = key_rows(view.chunks[j], ha, hb, hd);
+          } else {
+            const std::size_t read = static_cast<std::size_t>(n) * (hb - ha) * dense_element_bytes(ch.k_format),
+                              head = static_cast<std::size_t>(filled + n) *
+                                     (ch.v_format == format::q4 ? 1 : dense_element_bytes(ch.v_format));
+            lead = std::clamp<std::uint32_t>(static_cast<std::uint32_t>((read + head / 2) / head), 1, hb - ha);
+            next = head_values(view, parts, parts_in, ha, ha + lead, hd, pieces);
+          }
         } else {
           next = pf.take(key_lines(c, ch, ha, hb, n));
         }
@@ -778,8 +790,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
     if (filled == 0) break;  // only empty chunks were left
     const std::uint32_t first = parts[0].ci;  // the tile's first chunk with tokens
-    // A piece ahead: the value call of head h prefetches head h + 1's values, the last head's the
-    // keys of the next tile's first chunk (from the cursor on).
+    // A piece ahead: the value call of head h prefetches head h + lead's values, and the last lead
+    // calls the keys of the next tile's first chunk (from the cursor on), a part each.
     kernels::prefetch_region next_keys{};
     for (std::uint32_t j = ci; pieced && j < end; ++j)
       if (range.tokens_of(j) > (j == ci ? off : 0)) {
@@ -790,9 +802,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
       const kernels::prefetch_region next =
-          !pieced ? kernels::prefetch_region{}
-          : h + 1 < hb ? head_values(view, parts, parts_in, h + 1, hd, pieces)
-                       : next_keys;
+          !pieced           ? kernels::prefetch_region{}
+          : h + lead < hb   ? head_values(view, parts, parts_in, h + lead, h + lead + 1, hd, pieces)
+                            : piece(next_keys, h + lead - hb, h + lead - hb + 1, lead);
       accumulate_tile(c, range, h, first, parts[0].off, filled, hs.s, hs.acc, worker, pf, pieced ? &next : nullptr);
     }
   }
