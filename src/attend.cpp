@@ -227,16 +227,17 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // That was with 128-token tiles, which a task reading all heads together no longer uses: those
 // tasks' tiles are all_heads_tile long and their stream runs half a tile ahead (see there); 64
 // tokens stays the distance of tasks that read head by head (large paged blocks: one chunk ahead).
-// Since session 47 a task that reads all heads together prefetches by phase instead, where it has
-// as many kv heads as a tile has chunks (by_phase, at run_heads).
+// Since session 47 a task that reads all heads together (two kv heads or more) prefetches
+// otherwise: by phase in session 47, a piece ahead since session 48 (piece_ahead, at run_heads).
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
 // Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
 // of 16 to 64 tokens, see head_by_head): tile x head_dim = 8192 elements, a multiple of 32 from 32 to
 // max_tile (128 tokens at head_dim 64, 64 at 128, 32 at 256). Chosen with the prefetch stream half
-// a tile ahead (prefetched by phase since session 47, where 128-token tiles at head_dim 128 ran
-// 0.91-0.92x and 32-token 0.975-0.98x as fast as 64 on the Intel VM). Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
+// a tile ahead (prefetched by phase in session 47, where 128-token tiles at head_dim 128 ran
+// 0.91-0.92x and 32-token 0.975-0.98x as fast as 64 on the Intel VM; a piece ahead since session
+// 48, where 128-token tiles ran as fast as 64 from memory, 1.02x from L2). Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
 // alternation of paged and contiguous steps (medians of 10 to 14 rounds, ratio paged / contiguous),
 // against 128-token tiles 64 tokens ahead (the setting of every head_dim before):
 //   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
@@ -624,23 +625,28 @@ struct pass_ends {
   bool start = true, finish = true;
 };
 // Prefetch a piece ahead (`ahead` == piece_ahead): run_task's tasks that read paged blocks all
-// heads together. Each kernel call prefetches, spread over its rows, what the task's next call
-// reads, the way a contiguous cache's head-by-head calls prefetch their own stream's next rows: a
-// block's score call (all heads) the next block's keys, and the tile's last one head ha's values
-// (in all the tile's blocks: a region of pieces, kernels::prefetch_region::more); the value call
-// of head h head h + 1's values, and the last head's the next tile's first block's keys. Every
-// line is so requested one call (16-32 KiB at head_dim 128 in f16) before it is read.
-// Session 48, Intel VM (family 6 model 167, AVX-512), f16, 8 kv heads x 128, 32 queries, 16-token
-// blocks, in-process alternation with a contiguous cache (medians of 12 rounds of 8 layers at 32k
-// tokens), against session 47's prefetch by phase (a block's score call prefetched that block's
-// values, which the tile's value pass read after the other blocks' keys; the value pass the next
-// tile's keys, each head's call a part of them: every line about one phase, 128 KiB, before it
-// was read), with the value kernels' rows_held (row_prefetch.inl): paged 1.13-1.18x faster at
-// 32k (contiguous 1.07-1.10x with rows_held alone), at 4k over 60 layers 1.13-1.17x, with 2
-// threads 1.12x, AVX2 1.03-1.05x; from cache (1k tokens, one layer) 0.95-0.97x. Farther was
-// worse: by phase with every prefetch moved 2 or 4 blocks later in the task's order (32-64 KiB
-// more ahead) 0.89x and 0.85x, 128-token tiles by phase 0.91-0.92x (lines come into L2, of 2
-// MiB: not for want of room; why, this VM's lack of hardware counters leaves open).
+// heads together. Each kernel call prefetches, spread over its rows, the rows the task reads next,
+// in the order it reads them, as many bytes as the call reads (so every line goes out about one
+// score call, a block's keys, before it is read): a block's score call (all heads) the next
+// block's keys; the tile's last one the values of the first `lead` heads over all the tile's
+// blocks (a region of pieces, kernels::prefetch_region::more; lead = that call's key bytes over
+// one head's values in the tile: 2 heads with 16-token blocks and 64-token tiles, all 8 with
+// 64-token blocks); the value call of head h head h + lead's values; the last lead value calls
+// the next tile's first block's keys, a part each. (With one block a tile this is session 47's
+// prefetch by phase: a block's keys prefetch all its values, the value pass the next keys.)
+// Session 48, Intel VM (family 6 model 167, AVX-512), f16, 8 kv heads x 128, 32 queries, 32k
+// tokens, 1 thread unless said; a paged cache's steps alone, against session 47's library
+// (prefetch by phase, whose 16-token blocks had each score call prefetch its block's values,
+// read after the tile's other keys: every line about one phase, 128 KiB, ahead), the two in
+// alternating processes, 3 rounds of medians of 10 rounds of 8 layers (/tmp throwaway):
+// 16-token blocks 1.09-1.16x, 32-token 1.11-1.14x, 64-token 1.03-1.09x; head_dim 64 1.10-1.12x,
+// 256 1.09-1.14x; 4 kv heads 1.06-1.09x, 2 kv heads (the stream before) 0.99-1.01x; f32
+// 1.15-1.22x; 2 threads 1.07-1.09x; AVX2 1.02-1.04x; 4k tokens over 60 layers 1.14-1.19x; from
+// cache (1k tokens, one layer) 0.95-1.05x. (With the value kernels' rows_held, row_prefetch.inl,
+// which made contiguous steps 1.07-1.10x faster at 32k.) Farther was worse: by phase with every
+// prefetch moved 2 or 4 blocks later in the task's order 0.89x and 0.85x; and 128-token tiles by
+// phase 0.91-0.92x (lines go into L2, of 2 MiB: not for want of room; why, this VM's lack of
+// hardware counters leaves open).
 constexpr std::uint32_t piece_ahead = 0;
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
                cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
