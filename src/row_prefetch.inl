@@ -33,7 +33,8 @@ class row_prefetch {
     start(r);
     std::size_t lines = lines_in(r);
     for (std::uint32_t i = 0; i < r.more_count; ++i) lines += lines_in(r.more[i]);
-    per_row_ = (lines + rows - 1) / (rows == 0 ? 1 : rows);
+    const unsigned per = rows == 0 ? 1 : rows;
+    per_row_ = (lines + per - 1) / per;
   }
   // The lines of `rows` rows of work, the cursor kept in the object from line to line. The score
   // kernels issue a tile's lines at once (4 rows' worth, 16 lines at head_dim 128 in f16) before
