@@ -40,10 +40,12 @@ class row_prefetch {
   // kernels issue a tile's lines at once (4 rows' worth, 16 lines at head_dim 128 in f16) before
   // its arithmetic; measured on the Intel VM (session 48, in-process alternation at 32k tokens, 1
   // thread), the same loop with its cursor in registers (about half the instructions a line) made
-  // the score kernels' bursts of prefetches faster and a decode step slower: contiguous f16 0.82x,
-  // paged 0.93x. Likely (this VM has no hardware counters to show it): a prefetch of a line from
-  // memory holds a fill buffer until its line comes, and a faster burst of them queues the
-  // tile's own loads (which miss L1) behind them.
+  // the score kernels' bursts of prefetches faster and a decode step slower: contiguous f16
+  // 0.82-0.83x, paged 0.93-0.95x. Likely (this VM has no hardware counters to show it): a
+  // prefetch of a line from memory holds a fill buffer until its line comes, and a faster burst
+  // of them queues the tile's own loads (which miss L1) behind them. The rows() before session
+  // 48 (the end of its one region in a register, a store a line) ran the contiguous f16 value
+  // kernel 0.91-0.94x as fast as this one.
   void rows(unsigned rows) noexcept {
     for (std::size_t n = per_row_ * rows; n > 0; --n, at_ += 64) {
       if (at_ >= end_ && !next()) return;
@@ -52,10 +54,10 @@ class row_prefetch {
   }
   // rows() with the cursor in registers, for kernels that issue a row's few lines between rows of
   // arithmetic (the value kernels: 2 lines a row at head_dim 128 in f16). Measured as above: a
-  // contiguous f16 cache 1.03-1.06x faster than with rows() there, paged blocks read a piece ahead
-  // (run_heads) 1.02-1.04x. The loop's shape counts on that machine: the same loop that also set
+  // contiguous f16 cache 1.02-1.06x faster than with rows() there, paged blocks read a piece ahead
+  // (run_heads) 1.01-1.05x. The loop's shape counts on that machine: the same loop that also set
   // the cursor to the end when the last piece ran out, without [[unlikely]] on the piece change,
-  // made paged steps 0.96x as fast.
+  // made paged steps 0.95-0.96x as fast.
   void rows_held(unsigned rows) noexcept {
     std::uintptr_t a = at_, e = end_;
     for (std::size_t n = per_row_ * rows; n > 0; --n, a += 64) {
