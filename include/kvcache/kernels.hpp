@@ -39,7 +39,8 @@ enum class q4_arith : std::uint8_t {
 /// depend on it, and an empty region ({}) prefetches nothing. Bytes [p, p + bytes) must lie within
 /// one allocation, and so must each further piece.
 /// Further pieces (more[0, more_count), each a region of its own whose `more` is ignored) follow
-/// the first in that order: the rows of one kv head in each of several paged blocks.
+/// the first in that order: the rows of one kv head in each of several paged blocks. The dense
+/// kernels take them all; the Q4 kernels, which attend hands single regions, the first only.
 struct prefetch_region {
   const void* p = nullptr;
   std::size_t bytes = 0;
