@@ -523,6 +523,14 @@ kernels::prefetch_region head_values(const layer_view& view, const tile_part* pa
   return r;
 }
 
+// The heads whose values over a tile of `filled` tokens are about as many bytes as the keys of
+// `heads` heads of n tokens of chunk ch (the tile's last score call reads those): 1 to heads.
+std::uint32_t lead_heads(const chunk& ch, std::uint32_t n, std::uint32_t heads, std::uint32_t filled) {
+  const std::size_t read = static_cast<std::size_t>(n) * heads * dense_element_bytes(ch.k_format),
+                    head = static_cast<std::size_t>(filled) * (ch.v_format == format::q4 ? 1 : dense_element_bytes(ch.v_format));
+  return std::clamp<std::uint32_t>(static_cast<std::uint32_t>((read + head / 2) / head), 1, heads);
+}
+
 // Piece j of region r (0: its first; j >= 1: more[j - 1]).
 kernels::prefetch_region nth_piece(const kernels::prefetch_region& r, std::uint32_t j) {
   return j == 0 ? kernels::prefetch_region{r.p, r.bytes} : r.more[j - 1];
@@ -772,10 +780,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
           if (more) {
             next = key_rows(view.chunks[j], ha, hb, hd);
           } else {
-            const std::size_t read = static_cast<std::size_t>(n) * (hb - ha) * dense_element_bytes(ch.k_format),
-                              head = static_cast<std::size_t>(filled + n) *
-                                     (ch.v_format == format::q4 ? 1 : dense_element_bytes(ch.v_format));
-            lead = std::clamp<std::uint32_t>(static_cast<std::uint32_t>((read + head / 2) / head), 1, hb - ha);
+            lead = lead_heads(ch, n, hb - ha, filled + n);
             next = head_values(view, parts, parts_in, ha, ha + lead, hd, pieces);
           }
         } else {

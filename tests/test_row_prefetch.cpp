@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <kvcache/kernels.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <random>
