@@ -131,6 +131,15 @@
 // on AMX-INT8 tiles (same integers, bit-identical) ran the step 0.78-0.80x as fast: tiles load
 // from memory, so every group's codes went through vector stores and every result through a tile
 // store, and each such chain (about 30 ns) waits for the last. bench/PERFORMANCE.md (session 44).
+// Session 49, the same VM: streamed, the two-group tile took about 1.7x its time on cached groups
+// (BM_attend_step /stream against /l2), and its set-up, key dots and value dots kept their shares
+// of the time (perf, cpu-clock): the whole step slows alike, no phase waits alone. Not kept, each
+// against this code in alternating processes (attend over a two-tier cache at 32k, 1 thread): the
+// ahead groups prefetched in address order rather than line for line (0.92-0.97x; two tiles ahead
+// 0.98-1.05x), their lines spread over the set-up passes (0.94-1.05x), into L1 (0.78-0.85x), into
+// L1 and two tiles ahead into L2 as well (0.95-0.98x), and the group's scales and minimums laid
+// before its codes so that the step reads it in address order (1.00-1.06x, layout changed in this
+// step alone). bench/PERFORMANCE.md (session 49).
 namespace {
 
 #include "q4_int8.inl"
