@@ -71,9 +71,24 @@ print_summary() {
       $((cpu_now - stage_cpu0)) "$tests_line"
   fi
   printf '%-8s %-7s %5ds wall %6ds cpu\n' total "" $((SECONDS - script_start)) "$cpu_now"
-  if [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"; else echo "test.sh: FAILED"; fi
+  if [[ -n "$interrupted" ]]; then echo "test.sh: FAILED: interrupted by $interrupted"
+  elif [[ $status -eq 0 ]]; then echo "test.sh: all stages passed"
+  else echo "test.sh: FAILED"; fi
 }
 trap 'print_summary $?' EXIT
+# A signal ends the script with a failure, never with the summary's "all stages passed": killed
+# without these traps, bash ran the EXIT trap with the status of the last command that had
+# finished (0), and said so. (bash runs a trap once the command it waits for has ended: a signal
+# sent to this script alone lets the running build or ctest finish first; one sent to the process
+# group, as Ctrl-C does, ends them too.)
+interrupted=""
+on_signal() {
+  interrupted=$1
+  exit "$2"
+}
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGHUP 129' HUP
 
 if [[ "${KVCACHE_SKIP_DEPS:-0}" != 1 ]]; then
   banner "dependencies (scripts/install_deps.sh)"
