@@ -9,7 +9,8 @@
 #            false positives; the gcc and clang stages hold the warning line)
 #   tsan     ThreadSanitizer build of the tests whose name contains "threads"; ctest -R threads
 #   aarch64  cross build for aarch64 and run under qemu (scripts/cross_aarch64.sh)
-# Any failure fails the script; a summary of stage times and test counts is printed at the end.
+# Any failure fails the script, and so does a signal (after the running command ends); a summary
+# of stage times and test counts is printed at the end.
 #
 # Environment:
 #   KVCACHE_STAGES="gcc asan"  run only these stages (default: gcc clang asan tsan aarch64)
