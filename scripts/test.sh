@@ -45,6 +45,7 @@ banner() {
 }
 
 summary=()
+interrupted=""  # the signal that ended the run (on_signal), if one did
 current_stage=""
 stage_start=0
 stage_cpu0=0
@@ -82,7 +83,6 @@ trap 'print_summary $?' EXIT
 # finished (0), and said so. (bash runs a trap once the command it waits for has ended: a signal
 # sent to this script alone lets the running build or ctest finish first; one sent to the process
 # group, as Ctrl-C does, ends them too.)
-interrupted=""
 on_signal() {
   interrupted=$1
   exit "$2"
