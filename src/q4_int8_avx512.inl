@@ -140,6 +140,26 @@
 // L1 and two tiles ahead into L2 as well (0.95-0.98x), and the group's scales and minimums laid
 // before its codes so that the step reads it in address order (1.00-1.06x, layout changed in this
 // step alone). bench/PERFORMANCE.md (session 49).
+// Session 50, the same VM: the pull into L1 (pull_part). The step's line-for-line prefetch puts a
+// tile's lines in L2 one tile ahead, and the dot products then loaded them from L2, each load
+// taking one of the core's few L1 fill buffers, beside the next tile's prefetches that hold theirs
+// for a trip to memory (about 185 ns here; a stream of software prefetches to lines in no
+// hardware prefetcher's pattern runs at 4-5 GB/s on this VM, every line in such a trip). Now the
+// first pass also prefetches the tile's key and value codes into L1, a part with each chunk of 16
+// channels, and before the value pass the next tile's scales and minimums, which its first pass
+// reads first: from L2 each holds a buffer for an L2 round trip only, and the dot products' loads
+// are L1 hits. Measured (old and new library in alternating processes, attend over a two-tier
+// cache, 8 kv heads, 32 queries): head_dim 128 at 32k 1.04-1.13x with 1 thread (the codes alone
+// 1.02-1.08x), 1.06-1.14x with 2, at 4k 1.02-1.11x; head_dim 64 1.06-1.09x; BM_attend_step on
+// cached groups 1.05-1.08x, streamed 1.06-1.09x. Only the steps compiled for 64 and 128 pull:
+// the general step ran 0.91-0.94x at 256 channels (two groups' codes are 16 KB there) and about
+// 0.95x at 32. Also measured and not kept: the value codes pulled in the second pass, the next
+// tile's key codes pulled with its scales (the same within noise); the key dots on the raw code
+// bytes and their high nibbles (one vpand a quad fewer, the low nibbles' sums by subtraction:
+// 1.00x streamed); the value codes of a column pair interleaved row by row and the scales laid
+// before the codes (both in this step alone: 1.01x and 1.03x, not worth a format change). A
+// second copy of the first pass (about 6 % more compute on cached groups) made the streamed step
+// 4-6 % slower: the set-up's time adds to the stream's, the dot products' hides in it.
 namespace {
 
 #include "q4_int8.inl"
@@ -204,6 +224,18 @@ struct mirror {
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
   return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group),
           prefetch_to_l1};
+}
+
+// The fused step's pull into L1 (this file's header, session 50): part k of `parts` of the
+// `lines` lines at p (64-byte aligned), prefetcht0, where the step's prefetches go to L2 (!l1):
+// those lines are in L2 by then (prefetched a tile earlier), and reading them from L1 makes the
+// dot products' loads L1 hits. Where the step prefetches into L1 (Zen 5) they are there already.
+__attribute__((always_inline)) inline void pull_part(const std::uint8_t* p, unsigned lines, unsigned parts, unsigned k,
+                                                     bool l1) {
+  if (l1) return;
+  const unsigned per = (lines + parts - 1) / parts, end = (k + 1) * per < lines ? (k + 1) * per : lines;
+#pragma GCC unroll 8
+  for (unsigned r = k * per; r < end; ++r) __builtin_prefetch(p + std::size_t{64} * r, 0, 3);
 }
 
 inline std::int32_t dword_at(const void* p) {
@@ -301,7 +333,7 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 struct nothing {
   void operator()() const {}
 };
-template <unsigned NQ, unsigned G, unsigned HD = 0, class Between = nothing>
+template <unsigned NQ, unsigned G, unsigned HD = 0, bool Pull = false, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
                                                        Between between = {}) {
@@ -335,6 +367,11 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
       if (c % 32 == 0) {  // a line of scales and one of minimums per 32 channels
         ahead[gi].line(gr[gi].k + key_scales_at(hd) + 2 * c);
         ahead[gi].line(gr[gi].k + key_mins_at(hd) + 2 * c);
+      }
+      if constexpr (Pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
+        const unsigned parts = (hd + 15) / 16;
+        pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16, ahead[gi].l1);
+        pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16, ahead[gi].l1);
       }
       const __m512 s = halves(gr[gi].k + key_scales_at(hd) + 2 * c, n), m = halves(gr[gi].k + key_mins_at(hd) + 2 * c, n);
       const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
@@ -776,6 +813,9 @@ template <unsigned NQ, unsigned G, unsigned HD>
 void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                   line_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
+  // The steps compiled for head_dim 64 and 128 pull their lines into L1 (pull_part; session 50:
+  // the general step at 32 and 256 channels ran slower so).
+  constexpr bool pull = HD == 64 || HD == 128;
   __m512 s[G][NQ][2], mx[4];
   tile_groups<G> tg;
   __mmask16 m[G][2];
@@ -794,7 +834,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
   auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, HD>(q, gr, hd, s, pf, prepare);
+    scores_of<NQ, G, HD, pull>(q, gr, hd, s, pf, prepare);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
@@ -866,6 +906,14 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
     }
     run_sum[i] += total[4 * i];
   }
+  // The next tile's key and value scales and minimums into L1 (pull_part), which its first pass
+  // reads first: prefetched into L2 during this tile's first pass, they are there by now.
+#pragma GCC unroll 2
+  for (unsigned gi = 0; gi < G; ++gi)
+    if (pull && gr[gi].ahead_k != nullptr) {
+      pull_part(gr[gi].ahead_k + key_scales_at(hd), (key_channels(hd) + 15) / 16, 1, 0, tg.ahead[gi].l1);
+      pull_part(gr[gi].ahead_v + value_scales_at(hd), 2 * value_blocks(hd), 1, 0, tg.ahead[gi].l1);
+    }
   values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
 }
 
