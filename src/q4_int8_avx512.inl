@@ -149,12 +149,13 @@
 // channels, and before the value pass the next tile's scales and minimums, which its first pass
 // reads first: from L2 each holds a buffer for an L2 round trip only, and the dot products' loads
 // are L1 hits. Measured (old and new library in alternating processes, attend over a two-tier
-// cache, 8 kv heads, 32 queries): head_dim 128 at 32k 1.04-1.13x with 1 thread (the codes alone
-// 1.02-1.08x), 1.06-1.14x with 2, at 4k 1.02-1.11x; head_dim 64 1.06-1.09x; BM_attend_step on
-// cached groups 1.05-1.08x, streamed 1.06-1.09x. Only the steps compiled for 64 and 128 pull:
-// the general step ran 0.91-0.94x at 256 channels (two groups' codes are 16 KB there) and about
-// 0.95x at 32. Also measured and not kept: the value codes pulled in the second pass, the next
-// tile's key codes pulled with its scales (the same within noise); the key dots on the raw code
+// cache, 8 kv heads, 32 queries): head_dim 128 at 32k 0.95-1.14x with 1 thread (median 1.08; the
+// codes alone 1.00-1.08x), 1.06-1.14x with 2, at 4k 0.98-1.11x; head_dim 64 1.06-1.09x;
+// BM_attend_step on cached groups 1.05-1.08x, streamed 1.06-1.10x; head_dim 96 (the general
+// step) 0.99-1.08x. Heads of 64 to 128 channels pull: with the pull the step ran 0.91-0.94x at
+// 256 channels (two groups' codes are 16 KB there) and about 0.95x at 32. Also measured and not
+// kept: the value codes pulled in the second pass, the next tile's key codes pulled with its
+// scales (the same within noise, or slower: bench/PERFORMANCE.md); the key dots on the raw code
 // bytes and their high nibbles (one vpand a quad fewer, the low nibbles' sums by subtraction:
 // 1.00x streamed); the value codes of a column pair interleaved row by row and the scales laid
 // before the codes (both in this step alone: 1.01x and 1.03x, not worth a format change). A
@@ -333,10 +334,10 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 struct nothing {
   void operator()() const {}
 };
-template <unsigned NQ, unsigned G, unsigned HD = 0, bool Pull = false, class Between = nothing>
+template <unsigned NQ, unsigned G, unsigned HD = 0, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
-                                                       Between between = {}) {
+                                                       Between between = {}, bool pull = false) {
   if constexpr (HD != 0) hd = HD;
   line_prefetch pf = pfr;
   mirror ahead[G];
@@ -368,7 +369,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
         ahead[gi].line(gr[gi].k + key_scales_at(hd) + 2 * c);
         ahead[gi].line(gr[gi].k + key_mins_at(hd) + 2 * c);
       }
-      if constexpr (Pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
+      if (pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
         const unsigned parts = (hd + 15) / 16;
         pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16, ahead[gi].l1);
         pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16, ahead[gi].l1);
@@ -813,9 +814,9 @@ template <unsigned NQ, unsigned G, unsigned HD>
 void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                   line_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
-  // The steps compiled for head_dim 64 and 128 pull their lines into L1 (pull_part; session 50:
-  // the general step at 32 and 256 channels ran slower so).
-  constexpr bool pull = HD == 64 || HD == 128;
+  // Heads of 64 to 128 channels pull their lines into L1 (pull_part; session 50: 32 and 256
+  // channels ran slower so).
+  const bool pull = hd >= 64 && hd <= 128;
   __m512 s[G][NQ][2], mx[4];
   tile_groups<G> tg;
   __mmask16 m[G][2];
@@ -834,7 +835,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
   auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, HD, pull>(q, gr, hd, s, pf, prepare);
+    scores_of<NQ, G, HD>(q, gr, hd, s, pf, prepare, pull);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
