@@ -228,7 +228,9 @@ inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
 }
 
 // The fused step's pull into L1 (this file's header, session 50): part k of `parts` of the
-// `lines` lines at p (64-byte aligned), prefetcht0, where the step's prefetches go to L2 (!l1):
+// `lines` 64-byte lines from p (at head_dim 64 and 128 the groups' regions are whole lines; at
+// other sizes a region's last bytes may lie in a line left out), prefetcht0, where the step's
+// prefetches go to L2 (!l1):
 // those lines are in L2 by then (prefetched a tile earlier), and reading them from L1 makes the
 // dot products' loads L1 hits. Where the step prefetches into L1 (Zen 5) they are there already.
 __attribute__((always_inline)) inline void pull_part(const std::uint8_t* p, unsigned lines, unsigned parts, unsigned k,
