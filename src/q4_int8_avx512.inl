@@ -229,16 +229,14 @@ inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
 
 // The fused step's pull into L1 (this file's header, session 50): part k of `parts` of the
 // `lines` 64-byte lines from p (at head_dim 64 and 128 the groups' regions are whole lines; at
-// other sizes a region's last bytes may lie in a line left out), prefetcht0, where the step's
-// prefetches go to L2 (!l1):
-// those lines are in L2 by then (prefetched a tile earlier), and reading them from L1 makes the
-// dot products' loads L1 hits. Where the step prefetches into L1 (Zen 5) they are there already.
-__attribute__((always_inline)) inline void pull_part(const std::uint8_t* p, unsigned lines, unsigned parts, unsigned k,
-                                                     bool l1) {
-  if (l1) return;
+// other sizes a region's last bytes may lie in a line left out), into L1 (prefetch_line). Those
+// lines are in L2 by then (prefetched a tile earlier), and reading them from L1 makes the dot
+// products' loads L1 hits. The step pulls only where its prefetches go to L2 (!prefetch_to_l1):
+// where they go to L1 (Zen 5) the lines are there already.
+__attribute__((always_inline)) inline void pull_part(const std::uint8_t* p, unsigned lines, unsigned parts, unsigned k) {
   const unsigned per = (lines + parts - 1) / parts, end = (k + 1) * per < lines ? (k + 1) * per : lines;
 #pragma GCC unroll 8
-  for (unsigned r = k * per; r < end; ++r) __builtin_prefetch(p + std::size_t{64} * r, 0, 3);
+  for (unsigned r = k * per; r < end; ++r) prefetch_line(reinterpret_cast<std::uintptr_t>(p) + std::uintptr_t{64} * r, true);
 }
 
 inline std::int32_t dword_at(const void* p) {
@@ -373,8 +371,8 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
       }
       if (pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
         const unsigned parts = (hd + 15) / 16;
-        pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16, ahead[gi].l1);
-        pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16, ahead[gi].l1);
+        pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16);
+        pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16);
       }
       const __m512 s = halves(gr[gi].k + key_scales_at(hd) + 2 * c, n), m = halves(gr[gi].k + key_mins_at(hd) + 2 * c, n);
       const __m512 m8 = _mm512_fmadd_ps(s, _mm512_set1_ps(8.0f), m);
@@ -816,9 +814,9 @@ template <unsigned NQ, unsigned G, unsigned HD>
 void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                   line_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
-  // Heads of 64 to 128 channels pull their lines into L1 (pull_part; session 50: 32 and 256
-  // channels ran slower so).
-  const bool pull = hd >= 64 && hd <= 128;
+  // Heads of 64 to 128 channels pull their lines into L1 where the step prefetches into L2
+  // (pull_part; session 50: 32 and 256 channels ran slower so).
+  const bool pull = !prefetch_to_l1 && hd >= 64 && hd <= 128;
   __m512 s[G][NQ][2], mx[4];
   tile_groups<G> tg;
   __mmask16 m[G][2];
@@ -914,8 +912,8 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
 #pragma GCC unroll 2
   for (unsigned gi = 0; gi < G; ++gi)
     if (pull && gr[gi].ahead_k != nullptr) {
-      pull_part(gr[gi].ahead_k + key_scales_at(hd), (key_channels(hd) + 15) / 16, 1, 0, tg.ahead[gi].l1);
-      pull_part(gr[gi].ahead_v + value_scales_at(hd), 2 * value_blocks(hd), 1, 0, tg.ahead[gi].l1);
+      pull_part(gr[gi].ahead_k + key_scales_at(hd), (key_channels(hd) + 15) / 16, 1, 0);
+      pull_part(gr[gi].ahead_v + value_scales_at(hd), 2 * value_blocks(hd), 1, 0);
     }
   values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
 }
