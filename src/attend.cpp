@@ -14,9 +14,11 @@
 #include <condition_variable>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace kvcache {
@@ -930,6 +932,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
   if (h0 >= c.kv_heads) return;  // a short sequence of a batch cut into runs: fewer runs than its tasks
   const std::uint32_t h1 = std::min(h0 + hpt, c.kv_heads);
   float* base = c.scratch + worker * c.worker_stride;
+  assert(reinterpret_cast<std::uintptr_t>(base) % 64 == 0);  // whole lines: see aligned_array
   const layer_view& view = c.views[seq];
   cursor b{}, e{view.count, 0};
   float* partial = nullptr;
@@ -1146,14 +1149,36 @@ task_split split_tasks(std::span<const layer_view> views, std::uint32_t kv_heads
 
 namespace {
 
-// Grows `array` (of `count` elements) to at least n elements; what it held is not kept. 64-byte
-// alignment is not needed for correctness (kernels take unaligned pointers); new[] gives 16.
+// Workspace arrays start on a cache line (64 bytes), and so does every worker's scratch in them
+// (worker_floats is a whole number of lines), so that the kernels' 64-byte loads and stores of a
+// worker's accumulators, folded queries and scores never straddle two lines. Until session 51 they
+// came from new[], aligned to 16 bytes only (a large block starts 16 bytes into a page; a small
+// one wherever the heap had room), so the scratch's alignment changed from program to program.
+// Measured on the Zen 5 VM (8 kv heads x 128, 32 queries, f16; old and new library in alternating
+// processes, the old one's scratch 16 bytes into a page): decode attention at 32k tokens with 2
+// threads 1.09-1.16x faster aligned (contiguous) and 1.05-1.09x (paged, 16-token blocks), with 1
+// thread up to 1.1x and 1.03-1.05x; aligned to 64 bytes and then offset by 16, as slow as before.
+// In BM_attend_paired (6 alternations, medians): AVX2 1.04-1.11x contiguous, 1.08-1.15x paged;
+// AVX-512 paged 1.06x at 4k with 2 threads, the rest 0.91-1.00x (within this VM's noise).
+struct aligned_delete {
+  template <class T>
+  void operator()(T* p) const noexcept {
+    ::operator delete[](p, std::align_val_t{64});
+  }
+};
 template <class T>
-result<void> grow(std::unique_ptr<T[]>& array, std::size_t& count, std::size_t n, const char* what) {
+using aligned_array = std::unique_ptr<T[], aligned_delete>;
+
+// Grows `array` (of `count` elements) to at least n elements; what it held is not kept.
+template <class T>
+result<void> grow(aligned_array<T>& array, std::size_t& count, std::size_t n, const char* what) {
+  static_assert(std::is_trivially_destructible_v<T> && alignof(T) <= 64);  // aligned_delete runs no destructors
   if (n <= count) return {};
-  T* p = new (std::nothrow) T[n];
+  void* p = ::operator new[](n * sizeof(T), std::align_val_t{64}, std::nothrow);
   if (p == nullptr) return fail(errc::out_of_memory, what, {{"bytes", static_cast<long long>(n * sizeof(T))}});
-  array.reset(p);
+  T* a = static_cast<T*>(p);
+  std::uninitialized_default_construct_n(a, n);
+  array.reset(a);
   count = n;
   return {};
 }
@@ -1161,13 +1186,13 @@ result<void> grow(std::unique_ptr<T[]>& array, std::size_t& count, std::size_t n
 }  // namespace
 
 struct attention_workspace::impl {
-  std::unique_ptr<float[]> scratch;
+  aligned_array<float> scratch;
   std::size_t scratch_floats = 0;
-  std::unique_ptr<detail::value_segment[]> segments;  // [worker][tile]
+  aligned_array<detail::value_segment> segments;  // [worker][tile]
   std::size_t segment_count = 0;
-  std::unique_ptr<float[]> partial;  // split sequences: [sequence][part][kv head][partial_floats]
+  aligned_array<float> partial;  // split sequences: [sequence][part][kv head][partial_floats]
   std::size_t partial_count = 0;
-  std::unique_ptr<cursor[]> bounds;  // split sequences: [sequence][parts + 1]
+  aligned_array<cursor> bounds;  // split sequences: [sequence][parts + 1]
   std::size_t bound_count = 0;
 
   // Pool: threads.size() background workers (worker indices 1..n); the caller is worker 0.
