@@ -1157,7 +1157,8 @@ namespace {
 // Measured on the Zen 5 VM (8 kv heads x 128, 32 queries, f16; old and new library in alternating
 // processes, the old one's scratch 16 bytes into a page): decode attention at 32k tokens with 2
 // threads 1.09-1.16x faster aligned (contiguous) and 1.05-1.09x (paged, 16-token blocks), with 1
-// thread up to 1.1x and 1.03-1.05x; aligned to 64 bytes and then offset by 16, as slow as before.
+// thread 1.02-1.25x (noisy) and 0.99-1.05x; aligned to 64 bytes and then offset by 16, as slow as
+// before.
 // In BM_attend_paired (6 alternations, medians): AVX2 1.04-1.11x contiguous, 1.08-1.15x paged;
 // AVX-512 paged 1.06x at 4k with 2 threads, the rest 0.91-1.00x (within this VM's noise).
 struct aligned_delete {
