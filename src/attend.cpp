@@ -76,6 +76,11 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
   return 2 * gd + round_up64(static_cast<std::size_t>(group) * max_tile) + 2 * round_up64(group);
 }
 
+// Most workers (threads, or a pool's workers) and floats of a token's query row (q_heads x
+// head_dim) validate_params accepts.
+constexpr unsigned max_workers = 65536;
+constexpr std::uint64_t max_row_floats = std::uint64_t{1} << 32;
+
 result<void> validate_params(const attention_params& p) {
   if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0)
     return fail(errc::invalid_argument, "attend: zero dimension",
@@ -91,6 +96,15 @@ result<void> validate_params(const attention_params& p) {
   }
   if (!(p.scale >= 0.0f) || std::isinf(p.scale))
     return fail(errc::invalid_argument, "attend: scale must be finite and >= 0 (0: 1/sqrt(head_dim))");
+  // Bounds under which every workspace size (reserve) fits in 64 bits, scratch of 2^16 workers
+  // and query rows of 2^32 floats included: far past any model or machine, short of a wrap.
+  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  if (workers > max_workers)
+    return fail(errc::invalid_argument, "attend: more workers than attend supports",
+                {{p.pool.run != nullptr ? "workers" : "threads", workers}, {"max", max_workers}});
+  if (std::uint64_t{p.q_heads} * p.head_dim > max_row_floats)
+    return fail(errc::invalid_argument, "attend: q_heads x head_dim above 2^32",
+                {{"q_heads", p.q_heads}, {"head_dim", p.head_dim}});
   return {};
 }
 
@@ -1175,6 +1189,7 @@ template <class T>
 result<void> grow(aligned_array<T>& array, std::size_t& count, std::size_t n, const char* what) {
   static_assert(std::is_trivially_destructible_v<T> && alignof(T) <= 64);  // aligned_delete runs no destructors
   if (n <= count) return {};
+  assert(n <= std::numeric_limits<std::size_t>::max() / sizeof(T));  // validate_params' bounds
   void* p = ::operator new[](n * sizeof(T), std::align_val_t{64}, std::nothrow);
   if (p == nullptr) return fail(errc::out_of_memory, what, {{"bytes", static_cast<long long>(n * sizeof(T))}});
   T* a = static_cast<T*>(p);

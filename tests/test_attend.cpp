@@ -1184,6 +1184,27 @@ TEST(attend, bad_shapes_get_typed_errors) {
   p = ok;
   p.scale = -1.0f;
   expect_error(p, one, q, out, errc::invalid_argument, "scale");
+  // Past the bounds under which the workspace's sizes cannot wrap: refused before any allocation,
+  // by reserve() as by attend().
+  p = ok;
+  p.threads = 65537;
+  expect_error(p, one, q, out, errc::invalid_argument, "threads=65537");
+  p = ok;
+  p.pool.run = [](void*, std::size_t, kvcache::parallel_for::task_fn, void*) {};
+  p.pool.workers = 100000;
+  expect_error(p, one, q, out, errc::invalid_argument, "workers=100000");
+  p = ok;
+  p.q_heads = 65536;
+  p.kv_heads = 2;
+  p.head_dim = 65537;
+  expect_error(p, one, q, out, errc::invalid_argument, "head_dim=65537");
+  {
+    attention_workspace fresh;
+    const auto r = fresh.reserve(p);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_EQ(r.error().code, errc::invalid_argument);
+    EXPECT_EQ(fresh.scratch_bytes(), 0u);
+  }
   expect_error(ok, one, std::span(q).first(q.size() - 1), out, errc::bad_shape, "got=127");
   expect_error(ok, one, q, std::span(out).first(64), errc::bad_shape, "got=64");
   // A view of another head_dim: head strides too small for head_dim 64.

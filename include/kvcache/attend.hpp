@@ -98,7 +98,8 @@ class attention_workspace {
 /// given thread count (or pool.workers) they are reproducible. Runs of kv heads alone change
 /// nothing: each head's sums are the same.
 /// Errors (nothing is written to `out`): errc::invalid_argument for a zero dimension, q_heads not
-/// a multiple of kv_heads, threads == 0 or a pool with workers == 0; errc::bad_shape for q or out
+/// a multiple of kv_heads, threads == 0 or a pool with workers == 0, more than 65536 threads (or
+/// workers), or q_heads x head_dim above 2^32; errc::bad_shape for q or out
 /// of the wrong size, a view whose chunk token counts do not add up, a null chunk pointer, a Q4
 /// key chunk of more than 32 tokens, or head strides too small for head_dim (a view of another
 /// head_dim); errc::out_of_memory if the workspace cannot grow.
