@@ -81,6 +81,11 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
 constexpr unsigned max_workers = 65536;
 constexpr std::uint64_t max_row_floats = std::uint64_t{1} << 32;
 
+// Workers a call runs on: the pool's when one is given, else its own threads.
+unsigned workers_of(const attention_params& p) {
+  return p.pool.run != nullptr ? p.pool.workers : p.threads;
+}
+
 result<void> validate_params(const attention_params& p) {
   if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0)
     return fail(errc::invalid_argument, "attend: zero dimension",
@@ -98,7 +103,7 @@ result<void> validate_params(const attention_params& p) {
     return fail(errc::invalid_argument, "attend: scale must be finite and >= 0 (0: 1/sqrt(head_dim))");
   // Bounds under which every workspace size (reserve) fits in 64 bits, scratch of 2^16 workers
   // and query rows of 2^32 floats included: far past any model or machine, short of a wrap.
-  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  const unsigned workers = workers_of(p);
   if (workers > max_workers)
     return fail(errc::invalid_argument, "attend: more workers than attend supports",
                 {{p.pool.run != nullptr ? "workers" : "threads", workers}, {"max", max_workers}});
@@ -1336,7 +1341,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
     impl_.reset(new (std::nothrow) impl);
     if (!impl_) return fail(errc::out_of_memory, "attend: workspace");
   }
-  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  const unsigned workers = workers_of(p);
   // Room for every kv head of a sequence per worker (a task holds at most that many).
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
   impl& w = *impl_;
@@ -1381,7 +1386,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #if defined(KVCACHE_HAVE_AVX512)
   if (kt.which == isa::avx512) softmax = detail::attend_avx512::softmax_tile;
 #endif
-  const unsigned workers = p.pool.run != nullptr ? p.pool.workers : p.threads;
+  const unsigned workers = workers_of(p);
   const task_split split = split_tasks(views, p.kv_heads, p.head_dim, p.q_heads / p.kv_heads, workers);
   // What reserve() provided.
   assert(split.parts == 1 || (views.size() * split.parts <= max_parts(workers) &&
