@@ -17,9 +17,8 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <thread>
+#include <pthread.h>
 #include <type_traits>
-#include <vector>
 
 namespace kvcache {
 
@@ -1216,14 +1215,32 @@ struct attention_workspace::impl {
   aligned_array<cursor> bounds;  // split sequences: [sequence][parts + 1]
   std::size_t bound_count = 0;
 
-  // Pool: threads.size() background workers (worker indices 1..n); the caller is worker 0.
-  // Between jobs a worker spins for up to spin_ns on `generation` before it sleeps on `wake`, and
-  // the caller spins as long on `finished` before it sleeps on `done`: a decode loop calls attend
-  // back to back (once per layer), and a sleeping worker took 35-140 us to wake on the 2-vCPU VM
-  // (a 32k-token decode step with 2 threads takes 1.5-4 ms). Task fields are written before
-  // `generation` is released; a worker that sleeps reads it under the mutex, as before.
+  // Pool: `started` background workers (worker indices 1..started, each taken from next_index as
+  // its thread starts); the caller is worker 0. Between jobs a worker spins for up to spin_ns on
+  // `generation` before it sleeps on `wake`, and the caller spins as long on `finished` before it
+  // sleeps on `done`: a decode loop calls attend back to back (once per layer), and a sleeping
+  // worker took 35-140 us to wake on the 2-vCPU VM (a 32k-token decode step with 2 threads takes
+  // 1.5-4 ms). Task fields are written before `generation` is released; a worker that sleeps reads
+  // it under the mutex, as before.
+  // Threads start through pthread_create, which reports a failure (EAGAIN: the process or the
+  // system is out of threads, or of memory for a stack) as a code that reserve returns as an
+  // error: std::thread throws std::system_error there, and aborts in -fno-exceptions programs.
+  // A thread starts with the generation of the last job before it (born): a job posted after its
+  // creation is new to it, the one before is not. Until session 52 a thread started from 0, so
+  // that one started after a job had run took that finished job for a new one: it counted itself
+  // in `finished` for it, and where that count landed after the next job had reset it, it was
+  // counted twice in that job, which could then end while a worker still ran a task. And the
+  // workers compared `finished` with the size of a std::vector of threads that a later reserve
+  // could be growing (ThreadSanitizer found that race once a test grew the pool after jobs:
+  // test_attend_threads, pool_grown_after_jobs_matches_single_thread).
   static constexpr std::int64_t spin_ns = 50'000;
-  std::vector<std::thread> threads;
+  std::unique_ptr<pthread_t[]> handles;  // [capacity]: the first `started` are running
+  unsigned handle_capacity = 0;
+  // Written by grow_threads between jobs, read by the workers after a job (a worker may still
+  // be reading it after the caller has seen the job end and gone on to grow the pool).
+  std::atomic<unsigned> started{0};
+  std::atomic<unsigned> next_index{1};
+  std::atomic<std::uint64_t> born{0};
   std::mutex mu;
   std::condition_variable wake, done;
   std::atomic<std::uint64_t> generation{0};
@@ -1241,7 +1258,7 @@ struct attention_workspace::impl {
       stop.store(true, std::memory_order_release);
     }
     wake.notify_all();
-    for (std::thread& t : threads) t.join();
+    for (unsigned i = 0, n = started.load(std::memory_order_relaxed); i < n; ++i) pthread_join(handles[i], nullptr);
   }
 
   static void pause() noexcept {
@@ -1270,7 +1287,7 @@ struct attention_workspace::impl {
   }
 
   void worker_loop(unsigned worker) {
-    std::uint64_t seen = 0;
+    std::uint64_t seen = born.load(std::memory_order_acquire);
     for (;;) {
       const auto ready = [&] {
         return stop.load(std::memory_order_acquire) || generation.load(std::memory_order_acquire) != seen;
@@ -1282,7 +1299,7 @@ struct attention_workspace::impl {
       if (stop.load(std::memory_order_acquire)) return;
       seen = generation.load(std::memory_order_acquire);
       if (worker <= active_helpers) work(worker);
-      if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == threads.size()) {
+      if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 == started.load(std::memory_order_relaxed)) {
         // The caller may be asleep on `done`: it tests `finished` under the mutex.
         std::lock_guard<std::mutex> lock(mu);
         done.notify_one();
@@ -1290,17 +1307,39 @@ struct attention_workspace::impl {
     }
   }
 
-  // Starts background threads until there are `n`.
-  void grow_threads(unsigned n) {
-    while (threads.size() < n) {
-      const auto worker = static_cast<unsigned>(threads.size() + 1);
-      threads.emplace_back([this, worker] { worker_loop(worker); });
+  static void* thread_main(void* self) {
+    impl& w = *static_cast<impl*>(self);
+    w.worker_loop(w.next_index.fetch_add(1, std::memory_order_relaxed));
+    return nullptr;
+  }
+
+  // Starts background threads until there are `n` (called between jobs: none is running). Those
+  // it started stay where a later one fails.
+  result<void> grow_threads(unsigned n) {
+    unsigned running = started.load(std::memory_order_relaxed);
+    if (n <= running) return {};
+    if (n > handle_capacity) {
+      const unsigned capacity = std::max(n, std::min(2 * handle_capacity, max_workers));
+      std::unique_ptr<pthread_t[]> h(new (std::nothrow) pthread_t[capacity]);
+      if (!h) return fail(errc::out_of_memory, "attend: worker thread handles", {{"threads", n + 1}});
+      std::copy_n(handles.get(), running, h.get());
+      handles = std::move(h);
+      handle_capacity = capacity;
     }
+    born.store(generation.load(std::memory_order_relaxed), std::memory_order_release);
+    for (; running < n; started.store(++running, std::memory_order_relaxed)) {
+      const int rc = pthread_create(&handles[running], nullptr, &thread_main, this);
+      if (rc != 0)
+        return fail(errc::out_of_memory, "attend: could not start a worker thread",
+                    {{"threads", n + 1}, {"running", running + 1}, {"errno", rc}});
+    }
+    return {};
   }
 
   void run(std::size_t count, parallel_for::task_fn fn, void* ctx, unsigned nthreads) {
     const unsigned helpers = static_cast<unsigned>(std::min<std::size_t>(nthreads - 1, count - 1));
-    if (helpers == 0 || threads.empty()) {
+    const unsigned running = started.load(std::memory_order_relaxed);
+    if (helpers == 0 || running == 0) {
       for (std::size_t i = 0; i < count; ++i) fn(ctx, i, 0);
       return;
     }
@@ -1316,7 +1355,7 @@ struct attention_workspace::impl {
     }
     wake.notify_all();
     work(0);
-    const auto all_done = [&] { return finished.load(std::memory_order_acquire) == threads.size(); };
+    const auto all_done = [&] { return finished.load(std::memory_order_acquire) == running; };
     if (!spin_until(all_done)) {
       std::unique_lock<std::mutex> lock(mu);
       done.wait(lock, all_done);
@@ -1355,7 +1394,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   // sequences * (parts + 1): a batch cut into parts has at most max_parts / 2 sequences (2 parts
   // each at least), a guided split fewer sequences than workers.
   KVCACHE_TRY(grow(w.bounds, w.bound_count, parts + parts / 2, "attend: workspace part bounds"));
-  if (p.pool.run == nullptr) impl_->grow_threads(p.threads - 1);
+  if (p.pool.run == nullptr) KVCACHE_TRY(impl_->grow_threads(p.threads - 1));
   return {};
 }
 

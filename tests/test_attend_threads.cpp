@@ -1,7 +1,8 @@
 // attend()'s own thread pool and an engine-supplied parallel_for, driven hard enough for
 // ThreadSanitizer (CI runs every *threads* test under -fsanitize=thread): many calls through one
 // persistent pool, two engine threads each with its own workspace reading the same caches, and one
-// long sequence split into parts that several workers read and attend() merges.
+// long sequence split into parts that several workers read and attend() merges. Also: the pool
+// grown after jobs have run, and a thread that cannot start (a typed error, the workspace intact).
 #include <kvcache/attend.hpp>
 #include <kvcache/contiguous_cache.hpp>
 
@@ -10,9 +11,26 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
+
+// thread_that_cannot_start_...: Linux, and no address or thread sanitizer (see there).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVCACHE_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVCACHE_TEST_SANITIZED 1
+#endif
+#endif
+#if defined(__linux__) && !defined(KVCACHE_TEST_SANITIZED)
+#define KVCACHE_TEST_THREAD_LIMIT 1
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -108,6 +126,92 @@ void engine_run(void* pool, std::size_t count, parallel_for::task_fn task, void*
       for (std::size_t i = w; i < count; i += workers) task(ctx, i, w);
     });
   for (std::thread& t : threads) t.join();
+}
+
+// The pool grown after jobs have run: threads started then must take the next job, not the last
+// one, for new (until session 52 they started from generation 0 and could count themselves twice
+// in a job: see attention_workspace::impl). Each round a fresh workspace runs 1, 2, then up to 6
+// threads, each call growing the pool by one thread after the jobs before it.
+TEST(attend_threads, pool_grown_after_jobs_matches_single_thread) {
+  const fixture_data d = make_data(15);
+  attention_workspace ws1;
+  const std::vector<float> expected = run(d, params(1), ws1);
+  for (int round = 0; round < 40; ++round) {
+    attention_workspace ws;
+    for (unsigned threads = 1; threads <= 6; ++threads) {
+      ASSERT_EQ(run(d, params(threads), ws), expected) << "round " << round << " threads " << threads;
+      ASSERT_EQ(run(d, params(threads), ws), expected) << "round " << round << " threads " << threads << ", again";
+      if (round % 4 == 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // workers asleep
+    }
+  }
+}
+
+#if defined(KVCACHE_TEST_THREAD_LIMIT)
+// The child of thread_that_cannot_start_is_a_typed_error_and_loses_nothing: exits with 0, or the
+// code of the step that failed.
+[[noreturn]] void thread_start_child(const fixture_data& d, const std::vector<layer_view>& views,
+                                     const std::vector<float>& expected, unsigned many) {
+  attention_workspace ws;
+  attention_params sized = params(1);  // scratch for `many` workers, allocated before the limit
+  unsigned workers = many;
+  sized.pool = parallel_for{.run = engine_run, .pool = &workers, .workers = many};
+  if (!ws.reserve(sized)) _exit(10);
+  std::vector<float> out(d.q.size());
+  rlimit old{};
+  if (getrlimit(RLIMIT_AS, &old) != 0) _exit(11);
+  unsigned long pages = 0;
+  std::FILE* statm = std::fopen("/proc/self/statm", "r");
+  if (statm == nullptr || std::fscanf(statm, "%lu", &pages) != 1) _exit(12);
+  std::fclose(statm);
+  rlimit tight = old;
+  tight.rlim_cur = pages * static_cast<unsigned long>(sysconf(_SC_PAGESIZE)) + (256u << 10);  // no room for a stack
+  if (setrlimit(RLIMIT_AS, &tight) != 0) _exit(13);
+  const result<void> r = ws.reserve(params(many));
+  if (r) _exit(20);
+  if (r.error().code != errc::out_of_memory) _exit(21);
+  if (r.error().message.find("thread") == std::string::npos) _exit(22);
+  const result<void> a = attend(params(many), views, d.q, out, ws);
+  if (a || a.error().code != errc::out_of_memory) _exit(23);
+  // Nothing lost: one thread (no new one) gives the same rows.
+  if (!attend(params(1), views, d.q, out, ws) || out != expected) _exit(30);
+  if (setrlimit(RLIMIT_AS, &old) != 0) _exit(31);
+  // Threads can start again: the pool grows to `many` and gives the same rows.
+  if (!attend(params(many), views, d.q, out, ws) || out != expected) _exit(32);
+  _exit(0);
+}
+#endif
+
+// A worker thread that cannot start (here: no address space left for its stack, RLIMIT_AS) is
+// errc::out_of_memory from reserve and attend, and the workspace stays usable: with fewer threads
+// at once, with as many once threads can start again. In a child process (fork), whose address
+// space limit the rest of the tests do not see; not under the address or thread sanitizers, whose
+// own mappings the limit would refuse. The pool asks for 48 threads: glibc reuses the cached
+// stacks of earlier tests' threads (up to 40 MiB of them) without a new mapping.
+TEST(attend_threads, thread_that_cannot_start_is_a_typed_error_and_loses_nothing) {
+#if !defined(KVCACHE_TEST_THREAD_LIMIT)
+  GTEST_SKIP() << "needs Linux (fork, RLIMIT_AS, /proc/self/statm) and no address or thread sanitizer";
+#else
+  const fixture_data d = make_data(16);
+  attention_workspace ws1;
+  const std::vector<float> expected = run(d, params(1), ws1);
+  const std::vector<layer_view> views = views_of(d);
+  constexpr unsigned many = 48;
+  std::fflush(nullptr);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Exit codes name the step that went wrong; 40: an exception escaped (the library never throws).
+    try {
+      thread_start_child(d, views, expected, many);
+    } catch (...) {
+      _exit(40);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child ended on a signal";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the step with this exit code failed (see the test)";
+#endif
 }
 
 TEST(attend_threads, engine_pool_and_concurrent_workspaces) {

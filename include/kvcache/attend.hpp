@@ -63,7 +63,10 @@ class attention_workspace {
   attention_workspace& operator=(const attention_workspace&) = delete;
 
   /// Allocates scratch (and starts threads) for calls with these params, so that the first
-  /// attend() allocates nothing. Errors as attend() for bad params; errc::out_of_memory.
+  /// attend() allocates nothing. Errors as attend() for bad params; errc::out_of_memory when
+  /// scratch cannot be allocated or a worker thread cannot start (threads started before it keep
+  /// running; the workspace serves calls with as many threads as it has, and a later call tries
+  /// again).
   [[nodiscard]] result<void> reserve(const attention_params& p);
 
   /// Bytes of scratch currently allocated.
@@ -102,7 +105,8 @@ class attention_workspace {
 /// workers), or q_heads x head_dim above 2^32; errc::bad_shape for q or out
 /// of the wrong size, a view whose chunk token counts do not add up, a null chunk pointer, a Q4
 /// key chunk of more than 32 tokens, or head strides too small for head_dim (a view of another
-/// head_dim); errc::out_of_memory if the workspace cannot grow.
+/// head_dim); errc::out_of_memory if the workspace cannot grow (scratch, or a worker thread that
+/// cannot start).
 [[nodiscard]] result<void> attend(const attention_params& p, std::span<const layer_view> views,
                                   std::span<const float> q, std::span<float> out,
                                   attention_workspace& ws);
