@@ -333,13 +333,17 @@ result<std::shared_ptr<block_pool<cpu>>> block_pool<cpu>::create(const block_poo
   const std::size_t layer_bytes = blocks * *block_stride;  // <= budget: cannot overflow
   const std::size_t bytes = layer_bytes * cfg.shape.layers;
   const std::size_t rounded = (bytes + 63) / 64 * 64;
-  void* mem = detail::allocate_storage(rounded).release();  // freed by ~block_pool
+  detail::storage mem = detail::allocate_storage(rounded);
   if (mem == nullptr)
     return fail(errc::out_of_memory, "block_pool: storage allocation failed",
                 {{"bytes", static_cast<long long>(rounded)}});
-  std::memset(mem, 0, rounded);  // touch every page: resident bytes are the allocated bytes
-  return std::make_shared<block_pool>(make_tag{}, cfg, static_cast<std::byte*>(mem), rounded, layer_bytes,
-                                      *block_stride, *head_stride, static_cast<std::uint32_t>(blocks));
+  std::memset(mem.get(), 0, rounded);  // touch every page: resident bytes are the allocated bytes
+  return detail::allocation_guard("block_pool: block tables", [&]() -> result<std::shared_ptr<block_pool>> {
+    auto pool = std::make_shared<block_pool>(make_tag{}, cfg, mem.get(), rounded, layer_bytes, *block_stride,
+                                             *head_stride, static_cast<std::uint32_t>(blocks));
+    (void)mem.release();  // the pool's now: freed by ~block_pool
+    return pool;
+  });
 }
 
 block_pool_stats block_pool<cpu>::stats() const {

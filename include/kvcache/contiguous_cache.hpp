@@ -123,7 +123,9 @@ class contiguous_cache<cpu> {
     result<std::size_t> all_bytes = checked_mul(seq_bytes.value(), cfg.max_sequences,
                                                 "contiguous: bytes of max_sequences sequences");
     KVCACHE_TRY(all_bytes);
-    return contiguous_cache(cfg, head_bytes.value(), buffer_bytes, seq_bytes.value());
+    return detail::allocation_guard("contiguous: sequence tables", [&]() -> result<contiguous_cache> {
+      return contiguous_cache(cfg, head_bytes.value(), buffer_bytes, seq_bytes.value());
+    });
   }
 
   contiguous_cache(contiguous_cache&&) noexcept = default;             ///< moves buffers, views stay valid

@@ -141,6 +141,28 @@ class [[nodiscard]] result<void> {
   return unexpected(make_error(code, what, args));
 }
 
+namespace detail {
+/// Calls make() and returns what it returns; where the standard allocator refuses memory inside it
+/// (std::bad_alloc, in a program with exceptions), errc::out_of_memory naming `what` instead. The
+/// caches' create() builds their bookkeeping (sequence and block tables: standard containers
+/// sized by the configuration) through it, so that a configuration too large for memory is an
+/// error, not an exception. Without exceptions a refused allocation ends the program, as in any
+/// standard container.
+template <class F>
+auto allocation_guard(std::string_view what, F&& make) -> decltype(make()) {
+#if KVCACHE_HAS_EXCEPTIONS
+  try {
+    return make();
+  } catch (const std::bad_alloc&) {
+    return fail(errc::out_of_memory, what);
+  }
+#else
+  (void)what;
+  return make();
+#endif
+}
+}  // namespace detail
+
 }  // namespace kvcache
 
 /// Propagates a failed result<...> out of the enclosing function returning result<...>.

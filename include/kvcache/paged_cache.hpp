@@ -584,7 +584,8 @@ class paged_cache<cpu> {
       pool = std::move(made).value();
     }
     KVCACHE_TRY(book_type::check_limits(cfg.max_sequences, cfg.expected_tokens, *pool));
-    return paged_cache(cfg, std::move(pool));
+    return detail::allocation_guard("paged: sequence tables",
+                                    [&]() -> result<paged_cache> { return paged_cache(cfg, std::move(pool)); });
   }
 
   paged_cache(paged_cache&&) noexcept = default;             ///< views stay valid

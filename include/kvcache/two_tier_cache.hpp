@@ -272,37 +272,39 @@ class two_tier_cache<cpu> {
                    {"sink_tokens", cfg.sink_tokens},
                    {"tail_tokens", cfg.tail_tokens}});
 
-    two_tier_cache c(cfg);
-    const geometry& g = cfg.shape;
-    auto ring_head = checked_mul(std::size_t{c.ring_slots_} * sizeof(half), g.head_dim, "two_tier: ring bytes");
-    KVCACHE_TRY(ring_head);
-    auto ring_layer = checked_mul(*ring_head, g.kv_heads, "two_tier: ring bytes");
-    KVCACHE_TRY(ring_layer);
-    auto ring_all = checked_mul(*ring_layer, std::size_t{2} * g.layers, "two_tier: ring bytes");
-    KVCACHE_TRY(ring_all);
-    c.ring_head_bytes_ = *ring_head;
-    c.ring_layer_bytes_ = *ring_layer;
-    c.ring_bytes_ = *ring_all;
-    // A Q4 group of one head: 20 bytes per key channel (rounded up to 4 channels) or 640 per
-    // value column of 32 channels (format.hpp); f16: 32 dense rows. head_dim < 2^32: no overflow.
-    const std::size_t dense_head = std::size_t{q4_group} * sizeof(half) * g.head_dim;
-    c.k_group_head_ = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : dense_head;
-    c.v_group_head_ = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : dense_head;
-    auto layer_group = checked_mul(c.k_group_head_ + c.v_group_head_, g.kv_heads, "two_tier: group bytes");
-    KVCACHE_TRY(layer_group);
-    auto slot = checked_mul(*layer_group, g.layers, "two_tier: group bytes");
-    KVCACHE_TRY(slot);
-    if (cfg.slab_groups == 0) c.cfg_.slab_groups = detail::two_tier::default_slab_groups(*slot);  // slot > 0
-    auto slab = checked_mul(*slot, c.cfg_.slab_groups, "two_tier: slab bytes");
-    KVCACHE_TRY(slab);
-    c.slot_bytes_ = *slot;
-    c.slab_bytes_ = *slab;
-    c.scratch_elems_ = std::size_t{2} * q4_group * g.head_dim;  // head_dim < 2^32: no overflow
-    c.scratch_.reset(new (std::nothrow) half[c.scratch_elems_]);
-    if (!c.scratch_)
-      return fail(errc::out_of_memory, "two_tier: migration scratch",
-                  {{"bytes", static_cast<long long>(c.scratch_elems_ * sizeof(half))}});
-    return c;
+    return detail::allocation_guard("two_tier: sequence tables", [&]() -> result<two_tier_cache> {
+      two_tier_cache c(cfg);
+      const geometry& g = cfg.shape;
+      auto ring_head = checked_mul(std::size_t{c.ring_slots_} * sizeof(half), g.head_dim, "two_tier: ring bytes");
+      KVCACHE_TRY(ring_head);
+      auto ring_layer = checked_mul(*ring_head, g.kv_heads, "two_tier: ring bytes");
+      KVCACHE_TRY(ring_layer);
+      auto ring_all = checked_mul(*ring_layer, std::size_t{2} * g.layers, "two_tier: ring bytes");
+      KVCACHE_TRY(ring_all);
+      c.ring_head_bytes_ = *ring_head;
+      c.ring_layer_bytes_ = *ring_layer;
+      c.ring_bytes_ = *ring_all;
+      // A Q4 group of one head: 20 bytes per key channel (rounded up to 4 channels) or 640 per
+      // value column of 32 channels (format.hpp); f16: 32 dense rows. head_dim < 2^32: no overflow.
+      const std::size_t dense_head = std::size_t{q4_group} * sizeof(half) * g.head_dim;
+      c.k_group_head_ = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : dense_head;
+      c.v_group_head_ = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : dense_head;
+      auto layer_group = checked_mul(c.k_group_head_ + c.v_group_head_, g.kv_heads, "two_tier: group bytes");
+      KVCACHE_TRY(layer_group);
+      auto slot = checked_mul(*layer_group, g.layers, "two_tier: group bytes");
+      KVCACHE_TRY(slot);
+      if (cfg.slab_groups == 0) c.cfg_.slab_groups = detail::two_tier::default_slab_groups(*slot);  // slot > 0
+      auto slab = checked_mul(*slot, c.cfg_.slab_groups, "two_tier: slab bytes");
+      KVCACHE_TRY(slab);
+      c.slot_bytes_ = *slot;
+      c.slab_bytes_ = *slab;
+      c.scratch_elems_ = std::size_t{2} * q4_group * g.head_dim;  // head_dim < 2^32: no overflow
+      c.scratch_.reset(new (std::nothrow) half[c.scratch_elems_]);
+      if (!c.scratch_)
+        return fail(errc::out_of_memory, "two_tier: migration scratch",
+                    {{"bytes", static_cast<long long>(c.scratch_elems_ * sizeof(half))}});
+      return c;
+    });
   }
 
   two_tier_cache(two_tier_cache&&) noexcept = default;             ///< moves every sequence (views stay valid)

@@ -1,0 +1,195 @@
+// Allocation failure, injected: every replaceable operator new is replaced by one that, armed with
+// k, fails the k-th allocation from then on (the throwing forms throw std::bad_alloc, the nothrow
+// forms return null), once. Each call below runs with k = 0, 1, 2, ... until it no longer meets
+// the failure: every run must return a value or errc::out_of_memory and throw nothing. Covered:
+// the caches' create() (their storage and their bookkeeping: sequence and block tables) and
+// attend() (its workspace). Not yet: operations on an existing cache whose tables grow (a new
+// sequence, a reserve past expected_tokens, a fork), where std::bad_alloc still propagates
+// (README, "Errors").
+#include <kvcache/attend.hpp>
+#include <kvcache/block_pool.hpp>
+#include <kvcache/contiguous_cache.hpp>
+#include <kvcache/paged_cache.hpp>
+#include <kvcache/two_tier_cache.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#if KVCACHE_HAS_EXCEPTIONS
+
+namespace {
+
+std::atomic<long> g_countdown{-1};  // allocations to let through before the failing one; -1: none fails
+std::atomic<bool> g_fired{false};   // the armed failure happened
+
+bool fail_now() noexcept {
+  if (g_countdown.load(std::memory_order_relaxed) < 0) return false;
+  if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
+  g_countdown.store(-1, std::memory_order_relaxed);
+  g_fired.store(true, std::memory_order_relaxed);
+  return true;
+}
+
+void* alloc(std::size_t n, std::size_t align) noexcept {
+  if (fail_now()) return nullptr;
+  if (n == 0) n = 1;
+  if (align <= alignof(std::max_align_t)) return std::malloc(n);
+  return std::aligned_alloc(align, (n + align - 1) / align * align);
+}
+
+void* alloc_or_throw(std::size_t n, std::size_t align) {
+  if (void* p = alloc(n, align)) return p;
+  throw std::bad_alloc();
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) { return alloc_or_throw(n, 0); }
+void* operator new[](std::size_t n) { return alloc_or_throw(n, 0); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return alloc(n, 0); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return alloc(n, 0); }
+void* operator new(std::size_t n, std::align_val_t a) { return alloc_or_throw(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return alloc_or_throw(n, static_cast<std::size_t>(a)); }
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return alloc(n, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return alloc(n, static_cast<std::size_t>(a));
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+
+namespace {
+
+using namespace kvcache;
+
+constexpr geometry shape{2, 2, 32};
+
+// Runs call() with the k-th allocation failing, k = 0, 1, ...: each run returns a value or
+// out_of_memory and throws nothing; after a failed run same() must hold (the object unchanged).
+// Returns the value of the first run that met no failure.
+template <class Call, class Same>
+auto each_allocation_fails(const std::string& what, Call call, Same same) -> decltype(call()) {
+  for (long k = 0; k < 100000; ++k) {
+    std::optional<decltype(call())> r;
+    g_fired.store(false);
+    g_countdown.store(k);
+    try {
+      r.emplace(call());
+    } catch (...) {
+      g_countdown.store(-1);
+      ADD_FAILURE() << what << ": an exception escaped with allocation " << k << " failing";
+      return call();
+    }
+    g_countdown.store(-1);
+    if (!g_fired.load()) {
+      EXPECT_TRUE(r->has_value()) << what << ": " << r->error().message;
+      return std::move(*r);
+    }
+    if (!r->has_value()) {
+      EXPECT_EQ(r->error().code, errc::out_of_memory) << what << ", allocation " << k << ": " << r->error().message;
+      EXPECT_TRUE(same()) << what << ": changed by a call that failed (allocation " << k << ")";
+    }
+  }
+  ADD_FAILURE() << what << ": never ran without meeting the failure";
+  return call();
+}
+
+template <class Call>
+auto each_allocation_fails(const std::string& what, Call call) {
+  return each_allocation_fails(what, call, [] { return true; });
+}
+
+std::vector<float> rows(std::size_t tokens, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(tokens * shape.token_width());
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+TEST(oom, create_of_every_cache) {
+  auto contiguous = each_allocation_fails("contiguous create", [] {
+    return contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16, .max_sequences = 3, .capacity_tokens = 200});
+  });
+  EXPECT_TRUE(contiguous.has_value());
+  auto pool = each_allocation_fails("block_pool create", [] {
+    return block_pool<cpu>::create({.shape = shape, .block_tokens = 16, .storage = format::f16, .budget_bytes = 1u << 20});
+  });
+  ASSERT_TRUE(pool.has_value());
+  for (const bool shared : {false, true}) {
+    auto paged = each_allocation_fails(shared ? "paged create (shared pool)" : "paged create", [&] {
+      paged_config<cpu> cfg{.shape = shape, .storage = format::f16, .block_tokens = 16, .budget_bytes = 1u << 20,
+                            .max_sequences = 4, .expected_tokens = 100};
+      if (shared) cfg.pool = *pool;
+      return paged_cache<cpu>::create(cfg);
+    });
+    EXPECT_TRUE(paged.has_value());
+  }
+  auto two_tier = each_allocation_fails("two-tier create", [] {
+    return two_tier_cache<cpu>::create({.shape = shape, .tail_tokens = 32, .max_sequences = 4});
+  });
+  EXPECT_TRUE(two_tier.has_value());
+}
+
+// A configuration whose sequence table alone is beyond memory (2^32 - 1 sequences): an error
+// from create(), which allocates the table (the sequences' storage waits for create(seq)).
+TEST(oom, sequence_table_beyond_memory) {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0 || static_cast<double>(pages) * static_cast<double>(page) > 128.0 * (1u << 30))
+    GTEST_SKIP() << "more than 128 GiB of memory (or unknown): the table might fit";
+  auto c = contiguous_cache<cpu>::create(
+      {.shape = shape, .storage = format::f16, .max_sequences = 0xffffffffu, .capacity_tokens = 16});
+  ASSERT_FALSE(c.has_value());
+  EXPECT_EQ(c.error().code, errc::out_of_memory) << c.error().message;
+}
+
+TEST(oom, attention_workspace) {
+  auto cache = contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16, .max_sequences = 1, .capacity_tokens = 64});
+  ASSERT_TRUE(cache.has_value());
+  const seq_id id = cache->create().value();
+  const std::vector<float> k = rows(64, 17), v = rows(64, 18);
+  ASSERT_TRUE(cache->reserve(id, 64) && cache->write(id, 0, k, v) && cache->write(id, 1, k, v) && cache->commit(id));
+  const layer_view view = cache->view(id, 0).value();
+  const std::vector<float> q(4 * shape.head_dim, 0.5f);
+  for (const unsigned threads : {1u, 2u}) {
+    attention_workspace ws;
+    std::vector<float> out(q.size());
+    const attention_params p{.q_heads = 4, .kv_heads = shape.kv_heads, .head_dim = shape.head_dim, .threads = threads};
+    (void)each_allocation_fails(
+        "attend, threads " + std::to_string(threads),
+        [&] {
+          std::fill(out.begin(), out.end(), -7.0f);
+          return attend(p, std::span(&view, 1), q, out, ws);
+        },
+        [&] { return std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }); });  // nothing written
+  }
+}
+
+}  // namespace
+
+#else
+TEST(oom, needs_exceptions) { GTEST_SKIP() << "injects std::bad_alloc: built without exceptions"; }
+#endif
