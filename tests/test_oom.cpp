@@ -1,11 +1,10 @@
 // Allocation failure, injected: every replaceable operator new is replaced by one that, armed with
 // k, fails the k-th allocation from then on (the throwing forms throw std::bad_alloc, the nothrow
-// forms return null), once. Each call below runs with k = 0, 1, 2, ... until it no longer meets
-// the failure: every run must return a value or errc::out_of_memory and throw nothing. Covered:
-// the caches' create() (their storage and their bookkeeping: sequence and block tables) and
-// attend() (its workspace). Not yet: operations on an existing cache whose tables grow (a new
-// sequence, a reserve past expected_tokens, a fork), where std::bad_alloc still propagates
-// (README, "Errors").
+// forms return null), once. Each call below that allocates runs with k = 0, 1, 2, ... until it no
+// longer meets the failure: every run must return a value or errc::out_of_memory, throw nothing,
+// and (for calls on an existing cache) leave the cache as it was: the same stats and contents
+// (what attention reads). Covered: create() of every CPU cache, a sequence's create, fork,
+// create_with_prefix, reserve (with and without token ids), write and commit, and attend().
 #include <kvcache/attend.hpp>
 #include <kvcache/block_pool.hpp>
 #include <kvcache/contiguous_cache.hpp>
@@ -130,28 +129,109 @@ std::vector<float> rows(std::size_t tokens, std::uint32_t seed) {
   return x;
 }
 
-TEST(oom, create_of_every_cache) {
-  auto contiguous = each_allocation_fails("contiguous create", [] {
+// What a cache holds, as attend reads it: every sequence's length and its attention output.
+template <class C>
+std::vector<float> outputs(const C& cache, const std::vector<seq_id>& ids) {
+  std::vector<float> all;
+  attention_workspace ws;
+  const attention_params p{.q_heads = 4, .kv_heads = shape.kv_heads, .head_dim = shape.head_dim};
+  const std::vector<float> q(std::size_t{4} * shape.head_dim, 0.25f);
+  for (seq_id id : ids) {
+    all.push_back(static_cast<float>(cache.length(id).value()));
+    for (std::uint32_t l = 0; l < shape.layers; ++l) {
+      const layer_view v = cache.view(id, l).value();
+      std::vector<float> out(q.size());
+      EXPECT_TRUE(attend(p, std::span(&v, 1), q, out, ws).has_value());
+      all.insert(all.end(), out.begin(), out.end());
+    }
+  }
+  return all;
+}
+
+// A run of n tokens through the step protocol, each call under each_allocation_fails, the cache
+// compared with itself before the call after every failure.
+template <class C>
+void step(C& cache, const std::vector<seq_id>& ids, seq_id id, std::size_t n, std::uint32_t seed,
+          const std::string& what) {
+  const std::vector<float> k = rows(n, seed), v = rows(n, seed + 1);
+  auto state = [&] { return std::make_pair(outputs(cache, ids), cache.stats().resident_bytes); };
+  auto before = state();
+  auto same = [&] { return state() == before; };
+  (void)each_allocation_fails(what + " reserve", [&] { return cache.reserve(id, n); }, same);
+  for (std::uint32_t l = 0; l < shape.layers; ++l)
+    (void)each_allocation_fails(what + " write", [&] { return cache.write(id, l, k, v); });
+  before = state();
+  (void)each_allocation_fails(what + " commit", [&] { return cache.commit(id); }, same);
+}
+
+TEST(oom, contiguous_cache) {
+  auto cache = each_allocation_fails("contiguous create", [] {
     return contiguous_cache<cpu>::create({.shape = shape, .storage = format::f16, .max_sequences = 3, .capacity_tokens = 200});
   });
-  EXPECT_TRUE(contiguous.has_value());
+  ASSERT_TRUE(cache.has_value());
+  contiguous_cache<cpu>& c = *cache;
+  std::vector<seq_id> ids;
+  auto same = [&] { return c.stats().sequences == ids.size() && outputs(c, ids) == outputs(c, ids); };
+  ids.push_back(each_allocation_fails("contiguous sequence", [&] { return c.create(); }, same).value());
+  step(c, ids, ids[0], 70, 1, "contiguous");
+  ids.push_back(each_allocation_fails("contiguous fork", [&] { return c.fork(ids[0]); }, same).value());
+  step(c, ids, ids[1], 5, 3, "contiguous, forked");
+}
+
+TEST(oom, paged_cache_and_shared_pool) {
   auto pool = each_allocation_fails("block_pool create", [] {
     return block_pool<cpu>::create({.shape = shape, .block_tokens = 16, .storage = format::f16, .budget_bytes = 1u << 20});
   });
   ASSERT_TRUE(pool.has_value());
   for (const bool shared : {false, true}) {
-    auto paged = each_allocation_fails(shared ? "paged create (shared pool)" : "paged create", [&] {
-      paged_config<cpu> cfg{.shape = shape, .storage = format::f16, .block_tokens = 16, .budget_bytes = 1u << 20,
-                            .max_sequences = 4, .expected_tokens = 100};
+    const std::string what = shared ? "paged (shared pool)" : "paged";
+    auto cache = each_allocation_fails(what + " create", [&] {
+      paged_config<cpu> cfg{.shape = shape, .storage = format::f16, .block_tokens = 16, .budget_bytes = 1u << 20};
       if (shared) cfg.pool = *pool;
       return paged_cache<cpu>::create(cfg);
     });
-    EXPECT_TRUE(paged.has_value());
+    ASSERT_TRUE(cache.has_value());
+    paged_cache<cpu>& c = *cache;
+    std::vector<seq_id> ids;
+    auto same = [&] { return c.stats().sequences == ids.size(); };
+    ids.push_back(each_allocation_fails(what + " sequence", [&] { return c.create(); }, same).value());
+    step(c, ids, ids[0], 70, 5, what);  // 5 blocks: the table grows
+    step(c, ids, ids[0], 40, 7, what);
+    ids.push_back(each_allocation_fails(what + " fork", [&] { return c.fork(ids[0]); }, same).value());
+    step(c, ids, ids[1], 3, 9, what + ", forked");  // copy-on-write of the shared last block
+    // Prefix reuse: a sequence reserved with token ids (its full blocks published at commit),
+    // then one created from the same prompt, adopting three of them.
+    std::vector<std::int32_t> prompt(50);
+    for (std::size_t t = 0; t < prompt.size(); ++t) prompt[t] = static_cast<std::int32_t>(1000 + t);
+    ids.push_back(each_allocation_fails(what + " sequence with ids", [&] { return c.create(); }, same).value());
+    const std::vector<float> k = rows(prompt.size(), 21), v = rows(prompt.size(), 22);
+    auto before = outputs(c, ids);
+    auto unchanged = [&] { return outputs(c, ids) == before; };
+    (void)each_allocation_fails(what + " reserve with ids", [&] { return c.reserve(ids.back(), prompt.size(), prompt); },
+                                unchanged);
+    for (std::uint32_t l = 0; l < shape.layers; ++l)
+      (void)each_allocation_fails(what + " write", [&] { return c.write(ids.back(), l, k, v); });
+    (void)each_allocation_fails(what + " commit with ids", [&] { return c.commit(ids.back()); }, unchanged);
+    auto match = each_allocation_fails(what + " create_with_prefix", [&] { return c.create_with_prefix(prompt); }, same);
+    ASSERT_TRUE(match.has_value());
+    EXPECT_EQ(match->cached_tokens, 48u);
+    ids.push_back(match->seq);
   }
-  auto two_tier = each_allocation_fails("two-tier create", [] {
-    return two_tier_cache<cpu>::create({.shape = shape, .tail_tokens = 32, .max_sequences = 4});
+}
+
+TEST(oom, two_tier_cache) {
+  auto cache = each_allocation_fails("two-tier create", [] {
+    return two_tier_cache<cpu>::create({.shape = shape, .tail_tokens = 32});
   });
-  EXPECT_TRUE(two_tier.has_value());
+  ASSERT_TRUE(cache.has_value());
+  two_tier_cache<cpu>& c = *cache;
+  std::vector<seq_id> ids;
+  auto same = [&] { return c.stats().sequences == ids.size(); };
+  ids.push_back(each_allocation_fails("two-tier sequence", [&] { return c.create(); }, same).value());
+  step(c, ids, ids[0], 50, 11, "two-tier");   // the tail ring
+  step(c, ids, ids[0], 100, 13, "two-tier");  // migration: store slabs
+  ids.push_back(each_allocation_fails("two-tier second sequence", [&] { return c.create(); }, same).value());
+  step(c, ids, ids[1], 40, 15, "two-tier, second sequence");
 }
 
 // A configuration whose sequence table alone is beyond memory (2^32 - 1 sequences): an error

@@ -161,6 +161,24 @@ auto allocation_guard(std::string_view what, F&& make) -> decltype(make()) {
   return make();
 #endif
 }
+
+/// Runs grow(), which only allocates (a table's capacity) and changes nothing else a caller can
+/// see; whether it could: false where the standard allocator refused (std::bad_alloc, in a program
+/// with exceptions), so that the call can fail with errc::out_of_memory, nothing changed.
+template <class F>
+[[nodiscard]] bool try_allocate(F&& grow) {
+#if KVCACHE_HAS_EXCEPTIONS
+  try {
+    grow();
+    return true;
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+#else
+  grow();
+  return true;
+#endif
+}
 }  // namespace detail
 
 }  // namespace kvcache

@@ -167,18 +167,22 @@ struct paged_book {
   [[nodiscard]] result<seq_id> create() {
     result<seq_id> id = ids.acquire();
     KVCACHE_TRY(id);
-    sequence& s = fresh_slot(ids.slot(id.value(), "create").value());
-    ensure_capacity(s, blocks_for(expected_tokens));
+    const std::uint32_t slot = ids.slot(id.value(), "create").value();
+    if (!detail::try_allocate([&] { ensure_capacity(fresh_slot(slot), blocks_for(expected_tokens)); }))
+      return refused(slot, "create: block table", blocks_for(expected_tokens));
     return id;
   }
 
   [[nodiscard]] result<prefix_match> create_with_prefix(std::span<const std::int32_t> prompt) {
     result<seq_id> id = ids.acquire();
     KVCACHE_TRY(id);
-    sequence& s = fresh_slot(ids.slot(id.value(), "create_with_prefix").value());
+    const std::uint32_t slot = ids.slot(id.value(), "create_with_prefix").value();
     const std::size_t max_blocks = prompt.empty() ? 0 : (prompt.size() - 1) / B();
-    ensure_capacity(s, std::max(max_blocks, blocks_for(expected_tokens)));
-    s.blocks.resize(max_blocks);
+    const std::size_t table = std::max(max_blocks, blocks_for(expected_tokens));
+    if (!detail::try_allocate([&] { ensure_capacity(fresh_slot(slot), table); }))
+      return refused(slot, "create_with_prefix: block table", table);
+    sequence& s = seqs[slot];
+    s.blocks.resize(max_blocks);  // within its capacity
     const std::size_t k = pool->ledger().adopt(prompt, max_blocks, s.blocks.data());
     s.blocks.resize(k);
     for (std::size_t i = 0; i < k; ++i) set_chunk(s, i, static_cast<std::uint32_t>(B()));
@@ -224,7 +228,8 @@ struct paged_book {
         return fail(errc::pool_exhausted, "reserve: more tokens than the block pool holds",
                     {{"tokens", clamped(n)}, {"pool_tokens", clamped(pool_tokens)}});
       const std::size_t fresh = blocks_for(s.length + n) - have;
-      ensure_capacity(s, have + fresh);
+      if (!detail::try_allocate([&] { ensure_capacity(s, have + fresh); }))
+        return fail(errc::out_of_memory, "reserve: block table", {{"blocks", clamped(have + fresh)}});
       const std::uint32_t tail = s.length % B() != 0 ? s.blocks.back() : block_ledger::no_block;
       s.blocks.resize(have + fresh);
       std::uint32_t copy = block_ledger::no_block;
@@ -336,10 +341,13 @@ struct paged_book {
     }
     result<seq_id> id = ids.acquire();
     KVCACHE_TRY(id);
-    sequence& dst = fresh_slot(ids.slot(id.value(), what).value());  // may grow seqs: take src after it
-    const sequence& src = seqs[src_slot.value()];
+    const std::uint32_t slot = ids.slot(id.value(), what).value();
     const std::size_t count = blocks_for(n);
-    ensure_capacity(dst, std::max(count, blocks_for(expected_tokens)));
+    const std::size_t table = std::max(count, blocks_for(expected_tokens));
+    if (!detail::try_allocate([&] { ensure_capacity(fresh_slot(slot), table); }))  // may grow seqs
+      return refused(slot, whole ? "fork: block table" : "copy_prefix: block table", table);
+    sequence& dst = seqs[slot];
+    const sequence& src = seqs[src_slot.value()];  // after seqs grew
     dst.blocks.assign(src.blocks.begin(), src.blocks.begin() + static_cast<std::ptrdiff_t>(count));
     pool->ledger().add_refs(dst.blocks);
     for (std::uint32_t l = 0; l < shape().layers; ++l)
@@ -501,6 +509,13 @@ struct paged_book {
     s.length = s.pending = s.known = s.hashed = 0;
     s.reserved = s.pending_ids = false;
     s.written_count = 0;
+  }
+
+  // The slot just acquired goes back (its sequence never existed): out_of_memory for a table of
+  // `blocks` blocks that could not be allocated.
+  [[nodiscard]] unexpected refused(std::uint32_t slot, const char* what, std::size_t blocks) {
+    ids.release(slot);
+    return fail(errc::out_of_memory, what, {{"blocks", clamped(blocks)}});
   }
 
   sequence& fresh_slot(std::uint32_t slot) {

@@ -330,7 +330,10 @@ class two_tier_cache<cpu> {
     auto id = ids_.acquire();
     KVCACHE_TRY(id);
     const auto slot = static_cast<std::uint32_t>(id->value & 0xffffffffu);
-    if (slot >= seqs_.size()) seqs_.resize(std::size_t{slot} + 1);
+    if (slot >= seqs_.size() && !detail::try_allocate([&] { seqs_.resize(std::size_t{slot} + 1); })) {
+      ids_.release(slot);  // the sequence never existed
+      return fail(errc::out_of_memory, "create: sequence table", {{"sequences", static_cast<long long>(slot) + 1}});
+    }
     seqs_[slot] = sequence{};
     return id;
   }
@@ -402,7 +405,8 @@ class two_tier_cache<cpu> {
                   {{"slabs", static_cast<long long>(cap_slabs)}});
     std::vector<detail::two_tier::buffer> fresh;
     if (new_slabs != 0) {
-      fresh.reserve(new_slabs);
+      if (!detail::try_allocate([&] { fresh.reserve(new_slabs); }))
+        return fail(errc::out_of_memory, "reserve: slab list", {{"slabs", static_cast<long long>(new_slabs)}});
       for (std::size_t i = 0; i < new_slabs; ++i) {
         fresh.push_back(detail::two_tier::allocate(slab_bytes_));
         if (!fresh.back())
@@ -418,13 +422,29 @@ class two_tier_cache<cpu> {
                     {{"bytes", static_cast<long long>(stage_bytes(stage_count))}});
     }
 
-    // From here on nothing fails (metadata growth can only abort, like any std::vector growth).
+    // The tables, allocated before anything changes (add_slab and take_slot stay within their
+    // capacity).
+    const bool first_reserve = q.written.size() != cfg_.shape.layers;
+    std::vector<std::uint8_t> written;
+    std::vector<std::uint32_t> chunk_count;
+    tables grown;
+    const bool grow = q.stride == 0 || cap_slabs != q.cap_slabs;
+    if (!detail::try_allocate([&] {
+          if (first_reserve) {
+            written.assign(cfg_.shape.layers, 0);
+            chunk_count.assign(cfg_.shape.layers, 0);
+          }
+          if (grow) grown = grown_tables(q, cap_slabs);
+        }))
+      return fail(errc::out_of_memory, "reserve: group tables", {{"slabs", static_cast<long long>(cap_slabs)}});
+
+    // From here on nothing fails.
     if (ring) q.ring = std::move(ring);
-    if (q.written.size() != cfg_.shape.layers) {
-      q.written.assign(cfg_.shape.layers, 0);
-      q.chunk_count.assign(cfg_.shape.layers, 0);
+    if (first_reserve) {
+      q.written = std::move(written);
+      q.chunk_count = std::move(chunk_count);
     }
-    if (q.stride == 0 || cap_slabs != q.cap_slabs) grow_tables(q, cap_slabs);
+    if (grow) install_tables(q, std::move(grown), cap_slabs);
     for (auto& b : fresh) add_slab(q, std::move(b));
     // Room after the live groups for the pending ones and two tail chunks (drops at commit
     // advance `first` and shrink ngroups alike, so this stays true).
@@ -742,31 +762,41 @@ class two_tier_cache<cpu> {
 
   // Resizes the group table, chunk arrays and slot lists for `slabs` slab entries, keeping the
   // live entries (moved to offset 0). Allocates: reserve() only.
-  void grow_tables(sequence& q, std::size_t slabs) {
+  // A sequence's tables re-laid out for `slabs` slabs (grown_tables: allocates, changes nothing;
+  // install_tables: moves them in, the slabs' buffers with them, allocating nothing).
+  struct tables {
+    std::vector<group_ref> groups;
+    std::vector<chunk> chunks;
+    std::vector<std::uint32_t> free_slots;
+    std::vector<detail::two_tier::buffer> slabs;  // capacity only: install_tables moves q's in
+    std::vector<std::uint32_t> slab_used;
+  };
+  [[nodiscard]] tables grown_tables(const sequence& q, std::size_t slabs) const {
     const std::size_t cap = slabs * cfg_.slab_groups;
     const std::size_t stride = 2 * cap + 2;
-    std::vector<group_ref> groups(2 * cap);
-    std::copy_n(q.groups.begin() + static_cast<std::ptrdiff_t>(q.first), q.ngroups, groups.begin());
-    std::vector<chunk> chunks(cfg_.shape.layers * stride);
+    tables t;
+    t.groups.resize(2 * cap);
+    std::copy_n(q.groups.begin() + static_cast<std::ptrdiff_t>(q.first), q.ngroups, t.groups.begin());
+    t.chunks.resize(cfg_.shape.layers * stride);
     if (q.stride != 0)
       for (std::uint32_t l = 0; l < cfg_.shape.layers; ++l)
         std::copy_n(q.chunks.begin() + static_cast<std::ptrdiff_t>(l * q.stride + q.first), q.chunk_count[l],
-                    chunks.begin() + static_cast<std::ptrdiff_t>(l * stride));
-    std::vector<std::uint32_t> free_slots;
-    free_slots.reserve(cap);
-    free_slots.assign(q.free_slots.begin(), q.free_slots.end());
-    std::vector<detail::two_tier::buffer> table;
-    table.reserve(slabs);
-    for (auto& b : q.slabs) table.push_back(std::move(b));
-    std::vector<std::uint32_t> used;
-    used.reserve(slabs);
-    used.assign(q.slab_used.begin(), q.slab_used.end());
-    q.groups = std::move(groups);
-    q.chunks = std::move(chunks);
-    q.free_slots = std::move(free_slots);
-    q.slabs = std::move(table);
-    q.slab_used = std::move(used);
-    q.stride = stride;
+                    t.chunks.begin() + static_cast<std::ptrdiff_t>(l * stride));
+    t.free_slots.reserve(cap);
+    t.free_slots.assign(q.free_slots.begin(), q.free_slots.end());
+    t.slabs.reserve(slabs);
+    t.slab_used.reserve(slabs);
+    t.slab_used.assign(q.slab_used.begin(), q.slab_used.end());
+    return t;
+  }
+  void install_tables(sequence& q, tables t, std::size_t slabs) const noexcept {
+    for (auto& b : q.slabs) t.slabs.push_back(std::move(b));  // within the capacity reserved
+    q.groups = std::move(t.groups);
+    q.chunks = std::move(t.chunks);
+    q.free_slots = std::move(t.free_slots);
+    q.slabs = std::move(t.slabs);
+    q.slab_used = std::move(t.slab_used);
+    q.stride = 2 * slabs * cfg_.slab_groups + 2;
     q.first = 0;
     q.cap_slabs = slabs;
   }

@@ -7,6 +7,7 @@
 #include <kvcache/error.hpp>
 #include <kvcache/geometry.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -36,9 +37,17 @@ class id_table {
         return fail(errc::capacity_exceeded, "create: every sequence slot is in use",
                     {{"max_sequences", static_cast<long long>(max_)}});
       slot = static_cast<std::uint32_t>(generation_.size());
+      // Every allocation first (geometric growth), so that a refused one (std::bad_alloc) leaves
+      // the table as it was; then release() never allocates either.
+      const std::size_t n = generation_.size() + 1;
+      if (!try_allocate([&] {
+            if (generation_.capacity() < n) generation_.reserve(std::max(n, 2 * generation_.capacity()));
+            if (live_.capacity() < n) live_.reserve(std::max(n, 2 * live_.capacity()));
+            if (free_.capacity() < n) free_.reserve(std::max(n, 2 * free_.capacity()));
+          }))
+        return fail(errc::out_of_memory, "create: sequence table", {{"sequences", static_cast<long long>(n)}});
       generation_.push_back(0);
       live_.push_back(false);
-      free_.reserve(generation_.size());  // so that release() never allocates
     }
     live_[slot] = true;
     ++count_;
