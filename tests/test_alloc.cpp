@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "replaced_new.hpp"
+
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -15,57 +17,13 @@
 #include <vector>
 
 namespace {
-
 std::atomic<std::size_t> g_allocations{0};
-
-void* counted_alloc(std::size_t n, std::size_t align) noexcept {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (n == 0) n = 1;
-  if (align <= alignof(std::max_align_t)) return std::malloc(n);
-  const std::size_t rounded = (n + align - 1) / align * align;  // aligned_alloc wants a multiple
-  return std::aligned_alloc(align, rounded);
-}
-
-void* counted_alloc_or_throw(std::size_t n, std::size_t align) {
-  void* p = counted_alloc(n, align);
-  if (p == nullptr) {
-#if KVCACHE_HAS_EXCEPTIONS
-    throw std::bad_alloc();
-#else
-    std::abort();
-#endif
-  }
-  return p;
-}
-
 }  // namespace
 
-// Every replaceable allocation function ([new.delete]): plain, array, nothrow, aligned, and the
-// matching deallocation functions (sized and unsized).
-void* operator new(std::size_t n) { return counted_alloc_or_throw(n, 0); }
-void* operator new[](std::size_t n) { return counted_alloc_or_throw(n, 0); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n, 0); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) { return counted_alloc_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return counted_alloc_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return counted_alloc(n, static_cast<std::size_t>(a));
+void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return kvcache_test::system_allocate(n, align);
 }
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return counted_alloc(n, static_cast<std::size_t>(a));
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 

@@ -209,33 +209,17 @@ inline std::vector<double> reference(std::span<const float> q, std::uint32_t q_h
 #include <new>
 #include <string>
 
-// The replaced operator new / delete below pair malloc with free; g++ cannot see that pairing
-// through inlining and warns at every new-expression.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
+#include "replaced_new.hpp"
 
-// Counts heap allocations, to prove the steady state of attend() allocates nothing.
+// Counts heap allocations (every form: replaced_new.hpp), to prove the steady state of attend()
+// allocates nothing.
 namespace {
 std::atomic<long> g_allocations{0};
 }  // namespace
-void* operator new(std::size_t n) {
+void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
+  return kvcache_test::system_allocate(n, align);
 }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new[](std::size_t n) { return ::operator new(n); }
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return ::operator new(n, t); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 

@@ -13,6 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "replaced_new.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -41,44 +43,11 @@ bool fail_now() noexcept {
   return true;
 }
 
-void* alloc(std::size_t n, std::size_t align) noexcept {
-  if (fail_now()) return nullptr;
-  if (n == 0) n = 1;
-  if (align <= alignof(std::max_align_t)) return std::malloc(n);
-  return std::aligned_alloc(align, (n + align - 1) / align * align);
-}
-
-void* alloc_or_throw(std::size_t n, std::size_t align) {
-  if (void* p = alloc(n, align)) return p;
-  throw std::bad_alloc();
-}
-
 }  // namespace
 
-void* operator new(std::size_t n) { return alloc_or_throw(n, 0); }
-void* operator new[](std::size_t n) { return alloc_or_throw(n, 0); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return alloc(n, 0); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return alloc(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) { return alloc_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return alloc_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return alloc(n, static_cast<std::size_t>(a));
+void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
+  return fail_now() ? nullptr : kvcache_test::system_allocate(n, align);
 }
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return alloc(n, static_cast<std::size_t>(a));
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 

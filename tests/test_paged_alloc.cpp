@@ -1,17 +1,13 @@
 // No hidden allocation in the per-token path: a paged cache whose sequences were created with
 // expected_tokens of room decodes (reserve / write / commit with token ids, block boundaries,
 // copy-on-write of a forked partial block, prefix publishing), truncates, views and exports its
-// block tables without a single heap allocation. Counted by replacing global operator new in this
-// binary only.
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC pairs the malloc inside operator new with the free inside operator delete across inlining
-// and warns, although both replacements below agree with each other.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
+// block tables without a single heap allocation. Counted by replacing global operator new (every
+// form: replaced_new.hpp) in this binary only.
 #include "test_paged_util.hpp"
 
 #include <gtest/gtest.h>
+
+#include "replaced_new.hpp"
 
 #include <atomic>
 #include <cstdlib>
@@ -23,13 +19,10 @@ std::atomic<bool> counting{false};
 std::atomic<std::size_t> allocations{0};
 }  // namespace
 
-void* operator new(std::size_t n) {
+void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
   if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  std::abort();
+  return kvcache_test::system_allocate(n, align);
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 

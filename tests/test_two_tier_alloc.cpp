@@ -1,10 +1,12 @@
 // two_tier_cache<cpu> allocates nothing in the per-token path: this binary replaces the global
-// operator new (plain and aligned) with counting versions and checks that decode steps
+// operator new (every form: replaced_new.hpp) with counting versions and checks that decode steps
 // (reserve 1 / write every layer / commit) and views allocate only when a sequence's store needs
 // a new slab (fail policy) and never in the steady state of the streaming policy.
 #include <kvcache/two_tier_cache.hpp>
 
 #include <gtest/gtest.h>
+
+#include "replaced_new.hpp"
 
 #include <atomic>
 #include <cstdlib>
@@ -17,37 +19,10 @@ namespace {
 std::atomic<std::size_t> allocations{0};
 }  // namespace
 
-void* operator new(std::size_t n) {
+void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
   allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n != 0 ? n : 1)) return p;
-  std::abort();
+  return kvcache_test::system_allocate(n, align);
 }
-void* operator new[](std::size_t n) { return ::operator new(n); }
-void* operator new(std::size_t n, std::align_val_t al) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t a = static_cast<std::size_t>(al);
-  if (void* p = std::aligned_alloc(a, (n + a - 1) / a * a)) return p;
-  std::abort();
-}
-void* operator new[](std::size_t n, std::align_val_t al) { return ::operator new(n, al); }
-void* operator new(std::size_t n, std::align_val_t al, const std::nothrow_t&) noexcept {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t a = static_cast<std::size_t>(al);
-  return std::aligned_alloc(a, (n + a - 1) / a * a);
-}
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  return std::malloc(n != 0 ? n : 1);
-}
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return ::operator new(n, t); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace {
 
