@@ -621,7 +621,8 @@ class paged_cache<cpu> {
   /// The block pool (shared with other caches or not).
   [[nodiscard]] const std::shared_ptr<pool_type>& pool() const noexcept { return book_.pool; }
 
-  /// A new empty sequence (no blocks yet). errc::capacity_exceeded when max_sequences are live.
+  /// A new empty sequence (no blocks yet). errc::capacity_exceeded when max_sequences are live;
+  /// errc::out_of_memory where its tables cannot be allocated.
   [[nodiscard]] result<seq_id> create() { return book_.create(); }
 
   /// A new sequence for a prompt of `tokens`, adopting the longest chain of cached full blocks
@@ -629,7 +630,7 @@ class paged_cache<cpu> {
   /// (tokens.size() - 1) / B blocks so at least one token remains for the engine to compute (its
   /// logits are needed). The sequence's length is the returned cached_tokens; reserve the rest
   /// with their token ids (reserve(seq, n, ids)) to make its own blocks findable in turn.
-  /// Errors: errc::capacity_exceeded when max_sequences are live.
+  /// Errors: errc::capacity_exceeded when max_sequences are live; errc::out_of_memory.
   [[nodiscard]] result<prefix_match> create_with_prefix(std::span<const std::int32_t> tokens) {
     return book_.create_with_prefix(tokens);
   }
@@ -638,7 +639,8 @@ class paged_cache<cpu> {
   /// now, so that write() and commit() cannot fail. If the sequence's partial last block is
   /// shared (after fork / copy_prefix / adoption), it is copied first (copy-on-write).
   /// Errors: unknown_sequence; reservation_pending; pool_exhausted naming the blocks needed and
-  /// the blocks free (or evictable). Nothing changes on failure.
+  /// the blocks free (or evictable); out_of_memory where the block table cannot grow. Nothing
+  /// changes on failure.
   [[nodiscard]] result<void> reserve(seq_id id, std::size_t n) { return book_.reserve(id, n, {}, copier()); }
 
   /// reserve() with the n new tokens' ids ([n] int32), which makes the blocks they fill
@@ -685,7 +687,8 @@ class paged_cache<cpu> {
   /// A new sequence holding src's first n tokens by sharing src's blocks (reference counts, no
   /// copy). The first write of either sequence into a shared partial block copies it; full
   /// blocks stay shared. Errors: unknown_sequence; reservation_pending if src has an open
-  /// reservation; out_of_range if n > src's length; capacity_exceeded when max_sequences are live.
+  /// reservation; out_of_range if n > src's length; capacity_exceeded when max_sequences are live;
+  /// out_of_memory.
   [[nodiscard]] result<seq_id> copy_prefix(seq_id src, std::size_t n) {
     return book_.copy_prefix(src, n, false);
   }

@@ -325,7 +325,8 @@ class two_tier_cache<cpu> {
   [[nodiscard]] std::size_t ring_bytes() const noexcept { return ring_bytes_; }
 
   /// A new empty sequence; allocates nothing for its tokens until its first reserve.
-  /// errc::capacity_exceeded when max_sequences are live.
+  /// errc::capacity_exceeded when max_sequences are live; errc::out_of_memory where the sequence
+  /// table cannot grow.
   [[nodiscard]] result<seq_id> create() {
     auto id = ids_.acquire();
     KVCACHE_TRY(id);
