@@ -1,10 +1,9 @@
-// Allocation failure, injected: every replaceable operator new is replaced by one that, armed with
-// k, fails the k-th allocation from then on (the throwing forms throw std::bad_alloc, the nothrow
-// forms return null), once. Each call below that allocates runs with k = 0, 1, 2, ... until it no
-// longer meets the failure: every run must return a value or errc::out_of_memory, throw nothing,
-// and (for calls on an existing cache) leave the cache as it was: the same stats and contents
-// (what attention reads). Covered: create() of every CPU cache, a sequence's create, fork,
-// create_with_prefix, reserve (with and without token ids), write and commit, and attend().
+// Allocation failure, injected (tests/oom_injection.hpp): each call below that allocates runs with
+// its k-th allocation failing, k = 0, 1, 2, ..., until it no longer meets the failure: every run
+// must return a value or errc::out_of_memory, throw nothing, and (for calls on an existing cache)
+// leave the cache as it was: the same stats and contents (what attention reads). Covered: create()
+// of every CPU cache, a sequence's create, fork, create_with_prefix, reserve (with and without
+// token ids), write, commit, export_block_tables, and attend(). The CUDA caches: tests/cuda/test_cuda_oom.cpp.
 #include <kvcache/attend.hpp>
 #include <kvcache/block_pool.hpp>
 #include <kvcache/contiguous_cache.hpp>
@@ -13,15 +12,14 @@
 
 #include <gtest/gtest.h>
 
+#include "oom_injection.hpp"
 #include "replaced_new.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <new>
-#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,21 +27,6 @@
 #include <unistd.h>
 
 #if KVCACHE_HAS_EXCEPTIONS
-
-namespace {
-
-std::atomic<long> g_countdown{-1};  // allocations to let through before the failing one; -1: none fails
-std::atomic<bool> g_fired{false};   // the armed failure happened
-
-bool fail_now() noexcept {
-  if (g_countdown.load(std::memory_order_relaxed) < 0) return false;
-  if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
-  g_countdown.store(-1, std::memory_order_relaxed);
-  g_fired.store(true, std::memory_order_relaxed);
-  return true;
-}
-
-}  // namespace
 
 // Under AddressSanitizer a refused malloc returns null (as the system allocator's does) rather
 // than ending the program, so that sequence_table_beyond_memory runs there too.
@@ -59,7 +42,7 @@ extern "C" const char* __asan_default_options() { return "allocator_may_return_n
 #endif
 
 void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
-  return fail_now() ? nullptr : kvcache_test::system_allocate(n, align);
+  return kvcache_test::fail_now() ? nullptr : kvcache_test::system_allocate(n, align);
 }
 
 namespace {
@@ -68,40 +51,7 @@ using namespace kvcache;
 
 constexpr geometry shape{2, 2, 32};
 
-// Runs call() with the k-th allocation failing, k = 0, 1, ...: each run returns a value or
-// out_of_memory and throws nothing; after a failed run same() must hold (the object unchanged).
-// Returns the value of the first run that met no failure.
-template <class Call, class Same>
-auto each_allocation_fails(const std::string& what, Call call, Same same) -> decltype(call()) {
-  for (long k = 0; k < 100000; ++k) {
-    std::optional<decltype(call())> r;
-    g_fired.store(false);
-    g_countdown.store(k);
-    try {
-      r.emplace(call());
-    } catch (...) {
-      g_countdown.store(-1);
-      ADD_FAILURE() << what << ": an exception escaped with allocation " << k << " failing";
-      return call();
-    }
-    g_countdown.store(-1);
-    if (!g_fired.load()) {
-      EXPECT_TRUE(r->has_value()) << what << ": " << r->error().message;
-      return std::move(*r);
-    }
-    if (!r->has_value()) {
-      EXPECT_EQ(r->error().code, errc::out_of_memory) << what << ", allocation " << k << ": " << r->error().message;
-      EXPECT_TRUE(same()) << what << ": changed by a call that failed (allocation " << k << ")";
-    }
-  }
-  ADD_FAILURE() << what << ": never ran without meeting the failure";
-  return call();
-}
-
-template <class Call>
-auto each_allocation_fails(const std::string& what, Call call) {
-  return each_allocation_fails(what, call, [] { return true; });
-}
+using kvcache_test::each_allocation_fails;
 
 std::vector<float> rows(std::size_t tokens, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -198,6 +148,7 @@ TEST(oom, paged_cache_and_shared_pool) {
     ASSERT_TRUE(match.has_value());
     EXPECT_EQ(match->cached_tokens, 48u);
     ids.push_back(match->seq);
+    (void)each_allocation_fails(what + " export_block_tables", [&] { return c.export_block_tables(ids); });
   }
 }
 

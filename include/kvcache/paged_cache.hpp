@@ -421,9 +421,13 @@ struct paged_book {
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> batch) {
     result<std::size_t> counted = table_entries(batch);
     KVCACHE_TRY(counted);
-    if (csr_indptr.size() < batch.size() + 1) csr_indptr.resize(batch.size() + 1);
-    if (csr_indices.size() < counted.value()) csr_indices.resize(counted.value());
-    if (csr_last.size() < batch.size()) csr_last.resize(batch.size());
+    if (!detail::try_allocate([&] {
+          if (csr_indptr.size() < batch.size() + 1) csr_indptr.resize(batch.size() + 1);
+          if (csr_indices.size() < counted.value()) csr_indices.resize(counted.value());
+          if (csr_last.size() < batch.size()) csr_last.resize(batch.size());
+        }))
+      return fail(errc::out_of_memory, "export_block_tables: CSR arrays",
+                  {{"sequences", clamped(batch.size())}, {"blocks", clamped(counted.value())}});
     return export_block_tables(batch, csr_indptr, csr_indices, csr_last);
   }
 
@@ -719,7 +723,7 @@ class paged_cache<cpu> {
   }
 
   /// The same into buffers owned by the cache (grown as needed, reused), valid until the next
-  /// export_block_tables call or cache move.
+  /// export_block_tables call or cache move; out_of_memory where they cannot grow.
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> seqs) {
     return book_.export_block_tables(seqs);
   }
