@@ -142,48 +142,52 @@ result<contiguous_cache<cuda>> contiguous_cache<cuda>::create(const contiguous_c
   result<std::size_t> total = checked_add(all.value(), table_bytes, "contiguous: device bytes");
   KVCACHE_TRY(total);
 
-  auto p = std::make_unique<impl>(cfg, where);
-  p->head_bytes = head_bytes.value();
-  p->buffer_bytes = buffer_bytes;
-  p->seq_bytes = seq_bytes.value();
-  result<device_arena> arena = device_arena::make(where, total.value());
-  KVCACHE_TRY(arena);
-  p->arena = std::move(arena).value();
-  auto take = [&](std::size_t bytes) { return p->arena.allocate(bytes, arena_align).value(); };  // sized above
-  p->storage = static_cast<std::byte*>(take(all.value()));
-  p->slot_ids = static_cast<std::uint32_t*>(take(n * 4));
-  p->t_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
-  p->t_indices = static_cast<std::uint32_t*>(take(n * 4));
-  p->t_last = static_cast<std::uint32_t*>(take(n * 4));
-  p->t_src = static_cast<std::uint32_t*>(take((n + 1) * 4));
-  KVCACHE_TRY(p->uploader.init(detail::pinned_uploader::staged_bytes((n + 1) * 4) * 2 +
-                               detail::pinned_uploader::staged_bytes(n * 4) * 2));
-  std::vector<std::uint32_t> iota(n);
-  std::iota(iota.begin(), iota.end(), 0u);
-  KVCACHE_TRY(copy_to_device(where, p->slot_ids, iota.data(), n * 4));
-  KVCACHE_TRY(cuda_synchronize(where));
+  // Host tables (sequences' chunk arrays, free lists, batch vectors) are built under
+  // allocation_guard: a refused allocation is out_of_memory, and the device arena goes with it.
+  return detail::allocation_guard("contiguous_cache<cuda>: sequence tables", [&]() -> result<contiguous_cache> {
+    auto p = std::make_unique<impl>(cfg, where);
+    p->head_bytes = head_bytes.value();
+    p->buffer_bytes = buffer_bytes;
+    p->seq_bytes = seq_bytes.value();
+    result<device_arena> arena = device_arena::make(where, total.value());
+    KVCACHE_TRY(arena);
+    p->arena = std::move(arena).value();
+    auto take = [&](std::size_t bytes) { return p->arena.allocate(bytes, arena_align).value(); };  // sized above
+    p->storage = static_cast<std::byte*>(take(all.value()));
+    p->slot_ids = static_cast<std::uint32_t*>(take(n * 4));
+    p->t_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
+    p->t_indices = static_cast<std::uint32_t*>(take(n * 4));
+    p->t_last = static_cast<std::uint32_t*>(take(n * 4));
+    p->t_src = static_cast<std::uint32_t*>(take((n + 1) * 4));
+    KVCACHE_TRY(p->uploader.init(detail::pinned_uploader::staged_bytes((n + 1) * 4) * 2 +
+                                 detail::pinned_uploader::staged_bytes(n * 4) * 2));
+    std::vector<std::uint32_t> iota(n);
+    std::iota(iota.begin(), iota.end(), 0u);
+    KVCACHE_TRY(copy_to_device(where, p->slot_ids, iota.data(), n * 4));
+    KVCACHE_TRY(cuda_synchronize(where));
 
-  for (std::uint32_t slot = 0; slot < n; ++slot) {
-    impl::sequence& s = p->seqs[slot];
-    s.chunks = std::make_unique<chunk[]>(g.layers);
-    s.written = std::make_unique<bool[]>(g.layers);
-    for (std::uint32_t l = 0; l < g.layers; ++l) {
-      chunk& c = s.chunks[l];
-      c.k = p->k_base(slot, l);
-      c.v = p->k_base(slot, l) + buffer_bytes;
-      c.k_head_stride = c.v_head_stride = p->head_bytes;
-      c.tokens = 0;
-      c.k_format = c.v_format = cfg.storage;
+    for (std::uint32_t slot = 0; slot < n; ++slot) {
+      impl::sequence& s = p->seqs[slot];
+      s.chunks = std::make_unique<chunk[]>(g.layers);
+      s.written = std::make_unique<bool[]>(g.layers);
+      for (std::uint32_t l = 0; l < g.layers; ++l) {
+        chunk& c = s.chunks[l];
+        c.k = p->k_base(slot, l);
+        c.v = p->k_base(slot, l) + buffer_bytes;
+        c.k_head_stride = c.v_head_stride = p->head_bytes;
+        c.tokens = 0;
+        c.k_format = c.v_format = cfg.storage;
+      }
     }
-  }
-  p->batch_slots.reserve(n);
-  p->next_slots.reserve(n);
-  p->h_indptr.reserve(n + 1);
-  p->h_indices.reserve(n);
-  p->h_last.reserve(n);
-  p->h_src.reserve(n + 1);
-  p->mark.assign(n, 0);
-  return contiguous_cache(std::move(p));
+    p->batch_slots.reserve(n);
+    p->next_slots.reserve(n);
+    p->h_indptr.reserve(n + 1);
+    p->h_indices.reserve(n);
+    p->h_last.reserve(n);
+    p->h_src.reserve(n + 1);
+    p->mark.assign(n, 0);
+    return contiguous_cache(std::move(p));
+  });
 }
 
 contiguous_cache<cuda>::contiguous_cache(std::unique_ptr<impl> p) noexcept : impl_(std::move(p)) {}

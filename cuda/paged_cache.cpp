@@ -50,21 +50,25 @@ result<std::shared_ptr<block_pool<cuda>>> block_pool<cuda>::create(const block_p
   if (cfg.budget_bytes < *block_bytes)
     return fail(errc::invalid_argument, "block_pool: budget below one block",
                 {{"budget_bytes", static_cast<long long>(cfg.budget_bytes)}, {"block_bytes", static_cast<long long>(*block_bytes)}});
-  const std::size_t blocks = std::min<std::size_t>(cfg.budget_bytes / *block_bytes, std::numeric_limits<std::int32_t>::max());
-  const std::size_t layer_bytes = blocks * *block_stride;
-  const std::size_t bytes = device_arena::padded(layer_bytes * cfg.shape.layers);
-  const std::size_t id_bytes = device_arena::padded(blocks * sizeof(std::uint32_t));
-  result<device_arena> arena = device_arena::make(where, bytes + id_bytes);
-  KVCACHE_TRY(arena);
-  auto* storage = static_cast<std::byte*>(arena->allocate(bytes).value());  // sized above
-  auto* identity = static_cast<std::uint32_t*>(arena->allocate(id_bytes).value());
-  std::vector<std::uint32_t> ids(blocks);
-  std::iota(ids.begin(), ids.end(), 0u);
-  KVCACHE_TRY(fill_on_device(where, storage, 0, bytes));  // deterministic contents, resident pages
-  KVCACHE_TRY(copy_to_device(where, identity, ids.data(), blocks * sizeof(std::uint32_t)));
-  KVCACHE_TRY(cuda_synchronize(where));
-  return std::make_shared<block_pool>(make_tag{}, cfg, where, std::move(arena).value(), storage, identity, layer_bytes,
-                                      *block_stride, *head_stride, static_cast<std::uint32_t>(blocks));
+  // Host tables (the ledger's block metadata and hash index, the identity upload) are built under
+  // allocation_guard: a refused allocation is out_of_memory, and the device arena goes with it.
+  return detail::allocation_guard("block_pool<cuda>: block tables", [&]() -> result<std::shared_ptr<block_pool>> {
+    const std::size_t blocks = std::min<std::size_t>(cfg.budget_bytes / *block_bytes, std::numeric_limits<std::int32_t>::max());
+    const std::size_t layer_bytes = blocks * *block_stride;
+    const std::size_t bytes = device_arena::padded(layer_bytes * cfg.shape.layers);
+    const std::size_t id_bytes = device_arena::padded(blocks * sizeof(std::uint32_t));
+    result<device_arena> arena = device_arena::make(where, bytes + id_bytes);
+    KVCACHE_TRY(arena);
+    auto* storage = static_cast<std::byte*>(arena->allocate(bytes).value());  // sized above
+    auto* identity = static_cast<std::uint32_t*>(arena->allocate(id_bytes).value());
+    std::vector<std::uint32_t> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0u);
+    KVCACHE_TRY(fill_on_device(where, storage, 0, bytes));  // deterministic contents, resident pages
+    KVCACHE_TRY(copy_to_device(where, identity, ids.data(), blocks * sizeof(std::uint32_t)));
+    KVCACHE_TRY(cuda_synchronize(where));
+    return std::make_shared<block_pool>(make_tag{}, cfg, where, std::move(arena).value(), storage, identity, layer_bytes,
+                                        *block_stride, *head_stride, static_cast<std::uint32_t>(blocks));
+  });
 }
 
 device_pages block_pool<cuda>::pages(std::uint32_t layer) const noexcept {
@@ -218,7 +222,9 @@ result<paged_cache<cuda>> paged_cache<cuda>::create(const paged_config<cuda>& cf
     pool = std::move(made).value();
   }
   KVCACHE_TRY(impl::check_limits(cfg.max_sequences, cfg.expected_tokens, *pool));
-  return paged_cache(std::make_unique<impl>(cfg, std::move(pool), where));
+  return detail::allocation_guard("paged_cache<cuda>: sequence tables", [&]() -> result<paged_cache> {
+    return paged_cache(std::make_unique<impl>(cfg, std::move(pool), where));
+  });
 }
 
 paged_cache<cuda>::paged_cache(std::unique_ptr<impl> p) noexcept : impl_(std::move(p)) {}
@@ -324,6 +330,13 @@ result<void> paged_cache<cuda>::prepare(std::span<const seq_id> batch) {
   }
   if (entries >= std::numeric_limits<std::uint32_t>::max())
     return fail(errc::overflow, "prepare: block-table entries exceed 2^32", {{"entries", static_cast<long long>(entries)}});
+  if (!detail::try_allocate([&] {
+        for (auto* v : {&m.h_indptr, &m.h_src}) v->reserve(batch.size() + 1);
+        m.h_last.reserve(batch.size());
+        m.h_indices.reserve(entries);
+      }))
+    return fail(errc::out_of_memory, "prepare: host block tables",
+                {{"batch", static_cast<long long>(batch.size())}, {"entries", static_cast<long long>(entries)}});
   KVCACHE_TRY(m.grow_table(batch.size(), entries));  // may invalidate the previous table (new addresses)
   m.h_indptr.assign(1, 0u);
   m.h_indices.clear();

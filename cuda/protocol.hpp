@@ -102,7 +102,11 @@ result<void> check_fresh(const Impl& m, const char* what) {
 /// m.next_slots. The prepared batch is untouched.
 template <class Impl>
 result<void> select_batch(Impl& m, std::span<const seq_id> batch) {
-  if (m.mark.size() < m.ids.slots()) m.mark.resize(m.ids.slots(), 0);
+  if (!try_allocate([&] {
+        if (m.mark.size() < m.ids.slots()) m.mark.resize(m.ids.slots(), 0);
+        m.next_slots.reserve(batch.size());
+      }))
+    return fail(errc::out_of_memory, "prepare: batch tables", {{"batch", clamped(batch.size())}});
   ++m.stamp;
   m.next_slots.clear();
   for (const seq_id id : batch) {

@@ -185,77 +185,81 @@ result<two_tier_cache<cuda>> two_tier_cache<cuda>::create(const two_tier_config&
     return fail(errc::invalid_argument, "two_tier_config.on_full: unknown policy", {{"on_full", static_cast<long long>(cfg.on_full)}});
 
   const geometry& g = cfg.shape;
-  auto p = std::make_unique<impl>(cfg, where);
-  p->groups_per_seq = pages_for(cfg.max_tokens);
-  const std::size_t store_pages = cfg.max_sequences * p->groups_per_seq;
-  const std::size_t tail_pages = cfg.max_sequences * (cfg.tail_tokens / G + 2) + p->groups_per_seq;
-  if (store_pages >= std::numeric_limits<std::uint32_t>::max() || tail_pages >= std::numeric_limits<std::uint32_t>::max())
-    return fail(errc::overflow, "two_tier_cache<cuda>: page count", {{"store_pages", static_cast<long long>(store_pages)}});
-  p->store_pages = static_cast<std::uint32_t>(store_pages);
-  p->tail_pages = static_cast<std::uint32_t>(tail_pages);
-  // A Q4 group of one head (format.hpp): 20 bytes per key channel (rounded up to 4 channels), 640
-  // per value column of 32 channels, multiples of 16 bytes (the kernels need 4-byte alignment);
-  // f16: 32 dense rows.
-  const std::size_t D = g.head_dim;
-  p->k_group_head = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : G * D * sizeof(half);
-  p->v_group_head = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : G * D * sizeof(half);
-  p->tail_head = G * D * sizeof(half);
-  auto store_layer = checked_mul(store_pages * g.kv_heads, p->k_group_head + p->v_group_head, "two_tier<cuda>: store bytes");
-  KVCACHE_TRY(store_layer);
-  auto tail_layer = checked_mul(tail_pages * g.kv_heads, 2 * p->tail_head, "two_tier<cuda>: tail bytes");
-  KVCACHE_TRY(tail_layer);
-  p->store_layer_bytes = *store_layer;
-  p->tail_layer_bytes = *tail_layer;
-  auto store_all = checked_mul(*store_layer, g.layers, "two_tier<cuda>: store bytes");
-  KVCACHE_TRY(store_all);
-  auto tail_all = checked_mul(*tail_layer, g.layers, "two_tier<cuda>: tail bytes");
-  KVCACHE_TRY(tail_all);
-  const std::size_t n = cfg.max_sequences;
-  const std::size_t id_count = std::max(store_pages, tail_pages);
-  const std::size_t pad_n1 = device_arena::padded((n + 1) * 4), pad_n = device_arena::padded(n * 4);
-  const std::size_t tables = 3 * pad_n1 + 2 * pad_n + device_arena::padded(store_pages * 4) + device_arena::padded(tail_pages * 4);
-  const std::size_t total = device_arena::padded(*store_all) + device_arena::padded(*tail_all) +
-                            device_arena::padded(id_count * 4) + tables;
-  result<device_arena> arena = device_arena::make(where, total);
-  KVCACHE_TRY(arena);
-  p->arena = std::move(arena).value();
-  auto take = [&](std::size_t bytes) { return p->arena.allocate(bytes).value(); };  // sized above
-  p->store = static_cast<std::byte*>(take(*store_all));
-  p->tailmem = static_cast<std::byte*>(take(*tail_all));
-  p->identity = static_cast<std::uint32_t*>(take(id_count * 4));
-  p->s_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
-  p->t_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
-  p->t_src = static_cast<std::uint32_t*>(take((n + 1) * 4));
-  p->s_last = static_cast<std::uint32_t*>(take(n * 4));
-  p->t_last = static_cast<std::uint32_t*>(take(n * 4));
-  p->s_indices = static_cast<std::uint32_t*>(take(store_pages * 4));
-  p->t_indices = static_cast<std::uint32_t*>(take(tail_pages * 4));
-  using up = detail::pinned_uploader;
-  KVCACHE_TRY(p->uploader.init(3 * up::staged_bytes((n + 1) * 4) + 2 * up::staged_bytes(n * 4) +
-                               up::staged_bytes(store_pages * 4) + up::staged_bytes(tail_pages * 4)));
-  std::vector<std::uint32_t> iota(id_count);
-  std::iota(iota.begin(), iota.end(), 0u);
-  KVCACHE_TRY(copy_to_device(where, p->identity, iota.data(), id_count * 4));
-  KVCACHE_TRY(cuda_synchronize(where));
-  p->store_free.resize(store_pages);
-  p->tail_free.resize(tail_pages);
-  for (std::size_t i = 0; i < store_pages; ++i) p->store_free[i] = static_cast<std::uint32_t>(store_pages - 1 - i);
-  for (std::size_t i = 0; i < tail_pages; ++i) p->tail_free[i] = static_cast<std::uint32_t>(tail_pages - 1 - i);
-  const std::size_t cap = 2 * p->groups_per_seq + cfg.tail_tokens / G + 2;  // store + longest tail
-  for (impl::sequence& s : p->seqs) {
-    s.store.reserve(p->groups_per_seq);
-    s.p_store.reserve(p->groups_per_seq);
-    s.tail.reserve(cap - p->groups_per_seq);
-    s.chunks.resize(cap * g.layers);
-    s.chunk_cap = cap;
-    s.written.assign(g.layers, 0);
-  }
-  for (auto* v : {&p->batch_slots, &p->next_slots, &p->hs_last, &p->ht_last}) v->reserve(n);
-  for (auto* v : {&p->hs_indptr, &p->ht_indptr, &p->h_src}) v->reserve(n + 1);
-  p->hs_indices.reserve(store_pages);
-  p->ht_indices.reserve(tail_pages);
-  p->mark.assign(n, 0);
-  return two_tier_cache(std::move(p));
+  // Host tables (sequences' chunk arrays, free lists, batch vectors) are built under
+  // allocation_guard: a refused allocation is out_of_memory, and the device arena goes with it.
+  return detail::allocation_guard("two_tier_cache<cuda>: sequence tables", [&]() -> result<two_tier_cache> {
+    auto p = std::make_unique<impl>(cfg, where);
+    p->groups_per_seq = pages_for(cfg.max_tokens);
+    const std::size_t store_pages = cfg.max_sequences * p->groups_per_seq;
+    const std::size_t tail_pages = cfg.max_sequences * (cfg.tail_tokens / G + 2) + p->groups_per_seq;
+    if (store_pages >= std::numeric_limits<std::uint32_t>::max() || tail_pages >= std::numeric_limits<std::uint32_t>::max())
+      return fail(errc::overflow, "two_tier_cache<cuda>: page count", {{"store_pages", static_cast<long long>(store_pages)}});
+    p->store_pages = static_cast<std::uint32_t>(store_pages);
+    p->tail_pages = static_cast<std::uint32_t>(tail_pages);
+    // A Q4 group of one head (format.hpp): 20 bytes per key channel (rounded up to 4 channels), 640
+    // per value column of 32 channels, multiples of 16 bytes (the kernels need 4-byte alignment);
+    // f16: 32 dense rows.
+    const std::size_t D = g.head_dim;
+    p->k_group_head = cfg.key_format == format::q4 ? q4_key_group_bytes(g.head_dim) : G * D * sizeof(half);
+    p->v_group_head = cfg.value_format == format::q4 ? q4_value_group_bytes(g.head_dim) : G * D * sizeof(half);
+    p->tail_head = G * D * sizeof(half);
+    auto store_layer = checked_mul(store_pages * g.kv_heads, p->k_group_head + p->v_group_head, "two_tier<cuda>: store bytes");
+    KVCACHE_TRY(store_layer);
+    auto tail_layer = checked_mul(tail_pages * g.kv_heads, 2 * p->tail_head, "two_tier<cuda>: tail bytes");
+    KVCACHE_TRY(tail_layer);
+    p->store_layer_bytes = *store_layer;
+    p->tail_layer_bytes = *tail_layer;
+    auto store_all = checked_mul(*store_layer, g.layers, "two_tier<cuda>: store bytes");
+    KVCACHE_TRY(store_all);
+    auto tail_all = checked_mul(*tail_layer, g.layers, "two_tier<cuda>: tail bytes");
+    KVCACHE_TRY(tail_all);
+    const std::size_t n = cfg.max_sequences;
+    const std::size_t id_count = std::max(store_pages, tail_pages);
+    const std::size_t pad_n1 = device_arena::padded((n + 1) * 4), pad_n = device_arena::padded(n * 4);
+    const std::size_t tables = 3 * pad_n1 + 2 * pad_n + device_arena::padded(store_pages * 4) + device_arena::padded(tail_pages * 4);
+    const std::size_t total = device_arena::padded(*store_all) + device_arena::padded(*tail_all) +
+                              device_arena::padded(id_count * 4) + tables;
+    result<device_arena> arena = device_arena::make(where, total);
+    KVCACHE_TRY(arena);
+    p->arena = std::move(arena).value();
+    auto take = [&](std::size_t bytes) { return p->arena.allocate(bytes).value(); };  // sized above
+    p->store = static_cast<std::byte*>(take(*store_all));
+    p->tailmem = static_cast<std::byte*>(take(*tail_all));
+    p->identity = static_cast<std::uint32_t*>(take(id_count * 4));
+    p->s_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
+    p->t_indptr = static_cast<std::uint32_t*>(take((n + 1) * 4));
+    p->t_src = static_cast<std::uint32_t*>(take((n + 1) * 4));
+    p->s_last = static_cast<std::uint32_t*>(take(n * 4));
+    p->t_last = static_cast<std::uint32_t*>(take(n * 4));
+    p->s_indices = static_cast<std::uint32_t*>(take(store_pages * 4));
+    p->t_indices = static_cast<std::uint32_t*>(take(tail_pages * 4));
+    using up = detail::pinned_uploader;
+    KVCACHE_TRY(p->uploader.init(3 * up::staged_bytes((n + 1) * 4) + 2 * up::staged_bytes(n * 4) +
+                                 up::staged_bytes(store_pages * 4) + up::staged_bytes(tail_pages * 4)));
+    std::vector<std::uint32_t> iota(id_count);
+    std::iota(iota.begin(), iota.end(), 0u);
+    KVCACHE_TRY(copy_to_device(where, p->identity, iota.data(), id_count * 4));
+    KVCACHE_TRY(cuda_synchronize(where));
+    p->store_free.resize(store_pages);
+    p->tail_free.resize(tail_pages);
+    for (std::size_t i = 0; i < store_pages; ++i) p->store_free[i] = static_cast<std::uint32_t>(store_pages - 1 - i);
+    for (std::size_t i = 0; i < tail_pages; ++i) p->tail_free[i] = static_cast<std::uint32_t>(tail_pages - 1 - i);
+    const std::size_t cap = 2 * p->groups_per_seq + cfg.tail_tokens / G + 2;  // store + longest tail
+    for (impl::sequence& s : p->seqs) {
+      s.store.reserve(p->groups_per_seq);
+      s.p_store.reserve(p->groups_per_seq);
+      s.tail.reserve(cap - p->groups_per_seq);
+      s.chunks.resize(cap * g.layers);
+      s.chunk_cap = cap;
+      s.written.assign(g.layers, 0);
+    }
+    for (auto* v : {&p->batch_slots, &p->next_slots, &p->hs_last, &p->ht_last}) v->reserve(n);
+    for (auto* v : {&p->hs_indptr, &p->ht_indptr, &p->h_src}) v->reserve(n + 1);
+    p->hs_indices.reserve(store_pages);
+    p->ht_indices.reserve(tail_pages);
+    p->mark.assign(n, 0);
+    return two_tier_cache(std::move(p));
+  });
 }
 
 two_tier_cache<cuda>::two_tier_cache(std::unique_ptr<impl> p) noexcept : impl_(std::move(p)) {}

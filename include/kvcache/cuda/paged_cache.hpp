@@ -105,7 +105,7 @@ class paged_cache<cuda> {
                                                             std::span<std::int32_t> indices,
                                                             std::span<std::int32_t> last_block_len) const;
   /// The same into host buffers owned by the cache (grown as needed, reused), valid until the
-  /// next export_block_tables call or cache move.
+  /// next export_block_tables call or cache move; out_of_memory where they cannot grow.
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> seqs);
   /// Counters; resident_bytes is the pool's device allocation (shared by every cache on it) plus
   /// this cache's staging and device table buffers.

@@ -56,13 +56,31 @@ struct runtime_state {
   std::map<const char*, std::size_t> device;  // cudaMalloc'ed ranges
   std::map<const char*, std::size_t> pinned;  // cudaMallocHost'ed ranges
   // Fault injection for tests: the next `fail_device_copies` device-to-device cudaMemcpyAsync
-  // calls fail with cudaErrorLaunchFailure and copy nothing.
+  // calls fail with cudaErrorLaunchFailure and copy nothing; cudaMalloc and cudaMallocHost fail
+  // with cudaErrorMemoryAllocation where `refuse_allocation` returns true.
   int fail_device_copies = 0;
+  bool (*refuse_allocation)() noexcept = nullptr;
+};
+/// How many emulated runtime calls this thread is inside. The runtime's own host allocations
+/// (its queue, graphs, staging) are not the caller's: test_cuda_oom's allocation failures, which
+/// stand for the caches' host allocations failing, let them through (a real runtime has its own
+/// allocator and reports its failures as errors, which refuse_allocation stands for).
+inline int& runtime_depth() {
+  static thread_local int depth = 0;
+  return depth;
+}
+struct runtime_call {
+  runtime_call() noexcept { ++runtime_depth(); }
+  ~runtime_call() { --runtime_depth(); }
+  runtime_call(const runtime_call&) = delete;
+  runtime_call& operator=(const runtime_call&) = delete;
 };
 inline runtime_state& state() {
   static runtime_state s;
   return s;
 }
+/// Whether the test refuses the allocation being made (runtime_state::refuse_allocation).
+inline bool refused() { return state().refuse_allocation != nullptr && state().refuse_allocation(); }
 inline void drain() {
   std::vector<std::function<void()>> q;
   q.swap(state().queue);
@@ -108,30 +126,37 @@ inline cudaError_t cudaGetDevice(int* d) {
 }
 inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  const kvcache_emu::runtime_call in_runtime;
+  if (kvcache_emu::refused()) return cudaErrorMemoryAllocation;
   *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
   if (*p == nullptr) return cudaErrorMemoryAllocation;
   kvcache_emu::state().device[static_cast<const char*>(*p)] = bytes;
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();  // cudaFree synchronizes
   kvcache_emu::state().device.erase(static_cast<const char*>(p));
   std::free(p);
   return cudaSuccess;
 }
 inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
+  const kvcache_emu::runtime_call in_runtime;
+  if (kvcache_emu::refused()) return cudaErrorMemoryAllocation;
   *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
   if (*p == nullptr) return cudaErrorMemoryAllocation;
   kvcache_emu::state().pinned[static_cast<const char*>(*p)] = bytes;
   return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void* p) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();
   kvcache_emu::state().pinned.erase(static_cast<const char*>(p));
   std::free(p);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  const kvcache_emu::runtime_call in_runtime;
   using namespace kvcache_emu;
   if (kind == cudaMemcpyDeviceToDevice && state().fail_device_copies > 0) {
     --state().fail_device_copies;
@@ -153,19 +178,23 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();
   std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::enqueue([=] { std::memset(dst, value, bytes); });
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceSynchronize() {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();
   return cudaSuccess;
 }
@@ -177,6 +206,7 @@ inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  const kvcache_emu::runtime_call in_runtime;
   *e = new cudaEvent_st;
   return cudaSuccess;
 }
@@ -187,10 +217,12 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::drain();  // everything queued before the event (and after: stricter than needed)
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+  const kvcache_emu::runtime_call in_runtime;
   if (kvcache_emu::capturing() != nullptr) return cudaErrorInvalidValue;
   kvcache_emu::capturing() = new cudaGraph_st;
   return cudaSuccess;
@@ -201,10 +233,12 @@ inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* g) {
   return *g != nullptr ? cudaSuccess : cudaErrorInvalidValue;
 }
 inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g, unsigned long long) {
+  const kvcache_emu::runtime_call in_runtime;
   *exec = new cudaGraph_st(*g);
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+  const kvcache_emu::runtime_call in_runtime;
   for (auto& op : exec->ops) kvcache_emu::enqueue(op);
   return cudaSuccess;
 }

@@ -15,6 +15,7 @@ namespace kvcache {
 namespace {
 // Runs (or, while capturing, records) one emulated kernel launch.
 auto emulate = [](auto kernel, dim3 grid, dim3 block, auto... args) -> result<void> {
+  const kvcache_emu::runtime_call in_runtime;
   kvcache_emu::enqueue([=] { (void)kvcache_emu::launch<result<void>>(kernel, grid, block, args...); });
   return {};
 };
