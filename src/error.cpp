@@ -4,10 +4,13 @@
 #include <fmt/format.h>
 
 #include <iterator>
+#include <new>
+#include <string>
 
 namespace kvcache {
 
-error make_error(errc code, std::string_view what, std::initializer_list<error_arg> args) {
+namespace {
+std::string format_message(std::string_view what, std::initializer_list<error_arg> args) {
   std::string msg;
   fmt::format_to(std::back_inserter(msg), "{}", what);
   if (args.size() != 0) {
@@ -19,7 +22,27 @@ error make_error(errc code, std::string_view what, std::initializer_list<error_a
     }
     msg += ')';
   }
-  return error{code, std::move(msg)};
+  return msg;
+}
+}  // namespace
+
+error make_error(errc code, std::string_view what, std::initializer_list<error_arg> args) {
+#if KVCACHE_HAS_EXCEPTIONS
+  // Out of memory, the message may not fit: the error keeps its code, with as much of `what` as
+  // a string holds without allocating (its small-string buffer), else no message. A failing call
+  // still returns its typed error rather than throwing.
+  try {
+    return error{code, format_message(what, args)};
+  } catch (const std::bad_alloc&) {
+    try {
+      return error{code, std::string(what.substr(0, std::string().capacity()))};
+    } catch (const std::bad_alloc&) {
+      return error{code, std::string()};
+    }
+  }
+#else
+  return error{code, format_message(what, args)};
+#endif
 }
 
 }  // namespace kvcache

@@ -201,6 +201,25 @@ TEST(oom, attention_workspace) {
   }
 }
 
+// The error of a call that fails for want of memory needs memory for its message: where even
+// that is refused, make_error still returns the typed error (with as much of the message as fits
+// without allocating) instead of throwing.
+TEST(oom, error_whose_message_cannot_be_allocated) {
+  const std::string_view what = "pool_exhausted: no free block for the reservation of this sequence";
+  for (long k = 0; k < 3; ++k) {
+    kvcache_test::g_fired.store(false);
+    kvcache_test::g_countdown.store(k);
+    const error e = make_error(errc::pool_exhausted, what, {{"seq", 12345}, {"blocks", 678}});
+    kvcache_test::g_countdown.store(-1);
+    EXPECT_EQ(e.code, errc::pool_exhausted);
+    if (!kvcache_test::g_fired.load()) {
+      EXPECT_EQ(e.message, std::string(what) + " (seq=12345, blocks=678)");
+      break;
+    }
+    EXPECT_EQ(what.substr(0, e.message.size()), e.message) << "allocation " << k;
+  }
+}
+
 }  // namespace
 
 #else
