@@ -24,13 +24,8 @@ inline cudaStream_t stream_of(const cuda& where) noexcept { return static_cast<c
 /// (non-sticky) last-error state so one failure is reported once.
 inline unexpected cuda_fail(cudaError_t e, std::string_view what) {
   (void)cudaGetLastError();
-  std::string msg(what);
-  msg += ": ";
-  msg += cudaGetErrorName(e);
-  msg += ": ";
-  msg += cudaGetErrorString(e);
-  return fail(e == cudaErrorMemoryAllocation ? errc::out_of_memory : errc::device_error, msg,
-              {{"cuda_error", static_cast<long long>(e)}});
+  return fail_joined(e == cudaErrorMemoryAllocation ? errc::out_of_memory : errc::device_error,
+                     {what, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)}, {{"cuda_error", static_cast<long long>(e)}});
 }
 
 /// Checks a CUDA runtime call inside a function returning result<...>.

@@ -94,7 +94,7 @@ inline constexpr const char* stale_batch = "no prepared batch since the last cha
 /// Fails unless a batch was prepared since the cache last changed; `what` names the call.
 template <class Impl>
 result<void> check_fresh(const Impl& m, const char* what) {
-  if (!m.fresh()) return fail(errc::invalid_argument, std::string(what) + ": " + stale_batch);
+  if (!m.fresh()) return fail_joined(errc::invalid_argument, {what, ": ", stale_batch});
   return {};
 }
 

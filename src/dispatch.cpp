@@ -124,8 +124,8 @@ std::atomic<const kernels::table*>& current() noexcept {
 result<isa> parse_isa(std::string_view name) {
   for (isa i : {isa::scalar, isa::avx2, isa::avx512, isa::neon})
     if (name == to_string(i)) return i;
-  return unexpected(errc::invalid_argument,
-                    "unknown ISA name '" + std::string(name) + "' (expected scalar, avx2, avx512 or neon)");
+  return detail::fail_joined(errc::invalid_argument,
+                             {"unknown ISA name '", name, "' (expected scalar, avx2, avx512 or neon)"});
 }
 
 result<isa> isa_from_environment(std::string_view value) {
@@ -133,13 +133,12 @@ result<isa> isa_from_environment(std::string_view value) {
   const isa fallback = best()->which;
   const result<isa> parsed = parse_isa(value);
   if (!parsed.has_value())
-    return unexpected(errc::invalid_argument, "KVCACHE_ISA='" + std::string(value) +
-                                                  "' is not an ISA name (scalar, avx2, avx512, neon); using " +
-                                                  std::string(to_string(fallback)));
+    return detail::fail_joined(errc::invalid_argument, {"KVCACHE_ISA='", value,
+                                                        "' is not an ISA name (scalar, avx2, avx512, neon); using ",
+                                                        to_string(fallback)});
   if (table_of(parsed.value()) == nullptr)
-    return unexpected(errc::unsupported, "KVCACHE_ISA='" + std::string(value) +
-                                             "' is not supported by this build or CPU; using " +
-                                             std::string(to_string(fallback)));
+    return detail::fail_joined(errc::unsupported, {"KVCACHE_ISA='", value,
+                                                   "' is not supported by this build or CPU; using ", to_string(fallback)});
   return parsed.value();
 }
 
@@ -155,8 +154,7 @@ isa active_isa() noexcept { return current().load(std::memory_order_acquire)->wh
 result<void> force_isa(isa i) {
   const kernels::table* t = table_of(i);
   if (t == nullptr)
-    return unexpected(errc::unsupported,
-                      "ISA '" + std::string(to_string(i)) + "' is not supported by this build or CPU");
+    return detail::fail_joined(errc::unsupported, {"ISA '", to_string(i), "' is not supported by this build or CPU"});
   current().store(t, std::memory_order_release);
   return {};
 }

@@ -202,21 +202,30 @@ TEST(oom, attention_workspace) {
 }
 
 // The error of a call that fails for want of memory needs memory for its message: where even
-// that is refused, make_error still returns the typed error (with as much of the message as fits
-// without allocating) instead of throwing.
+// that is refused, make_error and detail::fail_joined still return the typed error (with as much
+// of the message as fits without allocating) instead of throwing.
 TEST(oom, error_whose_message_cannot_be_allocated) {
   const std::string_view what = "pool_exhausted: no free block for the reservation of this sequence";
-  for (long k = 0; k < 3; ++k) {
-    kvcache_test::g_fired.store(false);
-    kvcache_test::g_countdown.store(k);
-    const error e = make_error(errc::pool_exhausted, what, {{"seq", 12345}, {"blocks", 678}});
-    kvcache_test::g_countdown.store(-1);
-    EXPECT_EQ(e.code, errc::pool_exhausted);
-    if (!kvcache_test::g_fired.load()) {
-      EXPECT_EQ(e.message, std::string(what) + " (seq=12345, blocks=678)");
-      break;
+  const std::string full = std::string(what) + " (seq=12345, blocks=678)";
+  for (const bool joined : {false, true}) {
+    for (long k = 0; k < 10; ++k) {
+      kvcache_test::g_fired.store(false);
+      kvcache_test::g_countdown.store(k);
+      const error e = joined ? result<void>(detail::fail_joined(errc::pool_exhausted, {what.substr(0, 20), what.substr(20)},
+                                                                {{"seq", 12345}, {"blocks", 678}}))
+                                   .error()
+                             : make_error(errc::pool_exhausted, what, {{"seq", 12345}, {"blocks", 678}});
+      kvcache_test::g_countdown.store(-1);
+      EXPECT_EQ(e.code, errc::pool_exhausted);
+      if (!kvcache_test::g_fired.load()) {
+        EXPECT_EQ(e.message, full);
+        break;
+      }
+      // fail_joined falls back to its first part (with the arguments) where the join is refused.
+      const bool first_part = joined && e.message == std::string(what.substr(0, 20)) + " (seq=12345, blocks=678)";
+      EXPECT_TRUE(first_part || what.substr(0, e.message.size()) == e.message)
+          << "joined " << joined << ", allocation " << k << ": " << e.message;
     }
-    EXPECT_EQ(what.substr(0, e.message.size()), e.message) << "allocation " << k;
   }
 }
 

@@ -179,6 +179,18 @@ template <class F>
   return true;
 #endif
 }
+
+/// fail() whose message is `parts` joined (make_error's "(name=value, ...)" follows); where the
+/// joined string cannot be allocated, the first part alone, cut short by make_error as needed.
+[[nodiscard]] inline unexpected fail_joined(errc code, std::initializer_list<std::string_view> parts,
+                                            std::initializer_list<error_arg> args = {}) {
+  std::string joined;
+  if (!try_allocate([&] {
+        for (std::string_view p : parts) joined += p;
+      }))
+    return fail(code, parts.size() != 0 ? *parts.begin() : std::string_view(), args);
+  return fail(code, joined, args);
+}
 }  // namespace detail
 
 }  // namespace kvcache
