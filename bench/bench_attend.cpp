@@ -19,10 +19,14 @@
 #include <kvcache/paged_cache.hpp>
 #include <kvcache/two_tier_cache.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -245,14 +249,112 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
       tokens, threads);
 }
 
+// A streaming read of a range of words by `threads` threads, for BM_attend_paired's read step:
+// the caller and threads - 1 helpers sum (bench::sum_words, BM_read's loop) chunks of 256 KiB
+// claimed in turn from a counter. The helpers sleep between reads (spinning 50 us first, as
+// attend's own workers do). A read wakes them and waits until all are running before its clock
+// starts, so that its time is the memory's and not a thread's wake-up, as BM_read's is (whose
+// threads start together): the baseline is the read bandwidth of `threads` threads, while
+// attention's steps pay their own pool's wake-up. With 1 thread it is BM_read's loop over the range.
+class team_read {
+ public:
+  explicit team_read(unsigned threads) {
+    for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
+  }
+  team_read(const team_read&) = delete;
+  team_read& operator=(const team_read&) = delete;
+  ~team_read() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : helpers_) t.join();
+  }
+
+  /// Seconds the team takes to read words [0, n) (their sum goes to `sum`), from the moment every
+  /// thread runs.
+  double operator()(const std::uint64_t* words, std::size_t n, std::uint64_t& sum) {
+    words_ = words;
+    n_ = n;
+    next_.store(0, std::memory_order_relaxed);
+    sum_.store(0, std::memory_order_relaxed);
+    arrived_.store(0, std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
+    go_.store(false, std::memory_order_relaxed);
+    {
+      const std::lock_guard lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    while (arrived_.load(std::memory_order_acquire) != helpers_.size()) {
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    go_.store(true, std::memory_order_release);
+    sum_.fetch_add(read_chunks(), std::memory_order_relaxed);
+    while (finished_.load(std::memory_order_acquire) != helpers_.size()) {
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    sum = sum_.load(std::memory_order_relaxed);
+    return seconds;
+  }
+
+ private:
+  static constexpr std::size_t chunk_words = (256 << 10) / 8;
+
+  std::uint64_t read_chunks() {
+    std::uint64_t sum = 0;
+    for (;;) {
+      const std::size_t first = next_.fetch_add(1, std::memory_order_relaxed) * chunk_words;
+      if (first >= n_) return sum;
+      sum += bench::sum_words(words_ + first, std::min(chunk_words, n_ - first));
+    }
+  }
+
+  void help() {
+    std::uint64_t seen = 0;
+    for (;;) {
+      const auto published = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+      while (!published() && std::chrono::steady_clock::now() < until) {
+      }
+      if (!published()) {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || published(); });
+        if (stop_) return;
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      arrived_.fetch_add(1, std::memory_order_acq_rel);
+      while (!go_.load(std::memory_order_acquire)) {
+      }
+      sum_.fetch_add(read_chunks(), std::memory_order_relaxed);
+      finished_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::vector<std::thread> helpers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;  // under mutex_
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<std::size_t> next_{0}, arrived_{0}, finished_{0};
+  std::atomic<bool> go_{false};
+  std::atomic<std::uint64_t> sum_{0};
+  const std::uint64_t* words_ = nullptr;  // published by generation_
+  std::size_t n_ = 0;
+};
+
 // BM_attend_paired/<isa>/ctx:<tokens>/t:<threads>: the three caches of the table (contiguous f16,
-// paged f16 with 16-token blocks, two-tier Q4) side by side, each iteration one decode step on
-// each in rotating order, each step timed on its own. The counters are the caches' tokens/s and
-// the ratios paged/contiguous and two-tier/f16 of their summed times: on a shared machine whose
-// speed drifts within seconds, steps taken next to each other compare fairer than separate
-// benchmarks' best repetitions (scripts/perf_report.sh prints both). Each cache holds the layers
-// of BM_attend (layers_for, two_tier_layers_for) and each round reads the next layer of all three,
-// so that each streams from memory as it does alone.
+// paged f16 with 16-token blocks, two-tier Q4) side by side, and a streaming read of as many bytes
+// as a layer of the f16 cache holds (BM_read's buffer and loop, `threads` threads: team_read),
+// each iteration one decode step on each cache and one read, in rotating order, each timed on its
+// own. The counters are the caches' tokens/s, the read's bytes/s, and the ratios paged/contiguous
+// and two-tier/f16 of their summed times and contiguous f16's K+V bytes/s over the read's: on a
+// shared machine whose speed drifts within seconds, steps taken next to each other compare fairer
+// than separate benchmarks' best repetitions (scripts/perf_report.sh prints both). Each cache
+// holds the layers of BM_attend (layers_for, two_tier_layers_for) and each round reads the next
+// layer of all three and the next slice of the read buffer, so that each streams from memory as
+// it does alone.
 void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
@@ -268,12 +370,23 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   attention_workspace ws;
   attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
   if (!ws.reserve(p)) return state.SkipWithError("workspace");
-  double seconds[3] = {0, 0, 0};
+  const bench::buffer& read = bench::read_buffer();
+  if (!read) return state.SkipWithError("allocation failed");
+  const std::size_t f16_bytes = view_bytes(views[0].front());
+  const std::size_t slice_words = f16_bytes / 8, slices = std::max<std::size_t>(1, read.size() / 8 / slice_words);
+  team_read reader(threads);
+  double seconds[4] = {0, 0, 0, 0};  // contiguous, paged, two-tier, read
   std::size_t round = 0;
   bool failed = false;
   for (auto _ : state) {
-    for (std::size_t j = 0; j < 3 && !failed; ++j) {
-      const std::size_t c = (round + j) % 3;
+    for (std::size_t j = 0; j < 4 && !failed; ++j) {
+      const std::size_t c = (round + j) % 4;
+      if (c == 3) {
+        std::uint64_t sum = 0;
+        seconds[c] += reader(read.as<std::uint64_t>() + round % slices * slice_words, slice_words, sum);
+        benchmark::DoNotOptimize(sum);
+        continue;
+      }
       const auto t0 = std::chrono::steady_clock::now();
       const result<void> r = attend(p, std::span(&views[c][round % views[c].size()], 1), q, out, ws);
       benchmark::DoNotOptimize(out.data());
@@ -292,8 +405,11 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
   state.counters["contiguous_tokens_per_s"] = n / seconds[0];
   state.counters["paged_tokens_per_s"] = n / seconds[1];
   state.counters["two_tier_tokens_per_s"] = n / seconds[2];
+  state.counters["read_bytes_per_s"] = n * static_cast<double>(slice_words * 8) / seconds[3];
   state.counters["paged_over_contiguous"] = seconds[0] / seconds[1];
   state.counters["two_tier_over_f16"] = seconds[0] / seconds[2];
+  state.counters["f16_over_read"] =
+      (static_cast<double>(f16_bytes) / seconds[0]) / (static_cast<double>(slice_words * 8) / seconds[3]);
 }
 
 // BM_attend_batch/<cache>/<isa>/<batch>/t:<threads>: one decode step of a batch of sequences

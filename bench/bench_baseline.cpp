@@ -11,10 +11,11 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+namespace kvcache::bench {
 
-std::size_t read_bytes() { return std::max(std::size_t{256} << 20, kvcache::bench::stream_bytes()); }
-std::size_t copy_bytes() { return std::max(std::size_t{128} << 20, kvcache::bench::stream_bytes() / 2); }
+std::size_t read_bytes() { return std::max(std::size_t{256} << 20, stream_bytes()); }
+
+namespace {
 
 // A buffer of distinct nonzero words (word i holds a multiple of a large odd constant), so that no
 // two of its pages are alike. The buffers the baselines read were zero-filled until session 21,
@@ -23,8 +24,8 @@ std::size_t copy_bytes() { return std::max(std::size_t{128} << 20, kvcache::benc
 // process: a hypervisor may merge identical pages (zero pages above all) and fault them back in,
 // which no real cache's contents invite. It did not recur; with distinct words it cannot come
 // from there.
-kvcache::bench::buffer distinct_words(std::size_t bytes) {
-  kvcache::bench::buffer b(bytes);
+buffer distinct_words(std::size_t bytes) {
+  buffer b(bytes);
   if (b) {
     auto* w = b.as<std::uint64_t>();
     for (std::size_t i = 0; i < bytes / 8; ++i) w[i] = (i + 1) * 0x9E3779B97F4A7C15ull;
@@ -32,20 +33,13 @@ kvcache::bench::buffer distinct_words(std::size_t bytes) {
   return b;
 }
 
-const kvcache::bench::buffer& read_buffer() {
-  static const kvcache::bench::buffer b = distinct_words(read_bytes());
-  return b;
-}
-const kvcache::bench::buffer& copy_source() {
-  static const kvcache::bench::buffer b = distinct_words(copy_bytes());
-  return b;
-}
-const kvcache::bench::buffer& copy_destination() {
-  static const kvcache::bench::buffer b(copy_bytes());
+}  // namespace
+
+const buffer& read_buffer() {
+  static const buffer b = distinct_words(read_bytes());
   return b;
 }
 
-// Sum with eight independent accumulators so the loop is bound by loads, not by an add chain.
 std::uint64_t sum_words(const std::uint64_t* p, std::size_t n) {
   std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
   std::size_t i = 0;
@@ -61,6 +55,25 @@ std::uint64_t sum_words(const std::uint64_t* p, std::size_t n) {
   }
   for (; i < n; ++i) a0 += p[i];
   return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
+
+}  // namespace kvcache::bench
+
+namespace {
+
+using kvcache::bench::read_buffer;
+using kvcache::bench::read_bytes;
+using kvcache::bench::sum_words;
+
+std::size_t copy_bytes() { return std::max(std::size_t{128} << 20, kvcache::bench::stream_bytes() / 2); }
+
+const kvcache::bench::buffer& copy_source() {
+  static const kvcache::bench::buffer b = kvcache::bench::distinct_words(copy_bytes());
+  return b;
+}
+const kvcache::bench::buffer& copy_destination() {
+  static const kvcache::bench::buffer b(copy_bytes());
+  return b;
 }
 
 void BM_read(benchmark::State& state) {

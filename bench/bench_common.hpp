@@ -108,6 +108,14 @@ class buffer {
   kvcache::detail::storage ptr_;
 };
 
+/// The streaming-read baseline (bench_baseline.cpp): BM_read reads read_buffer(), read_bytes()
+/// of distinct words (256 MiB at least, stream_bytes() where that is more), with sum_words, a
+/// sum in eight independent accumulators so the loop is bound by loads, not by an add chain.
+/// BM_attend_paired reads slices of the same buffer with the same loop between attention steps.
+std::size_t read_bytes();
+const buffer& read_buffer();
+std::uint64_t sum_words(const std::uint64_t* p, std::size_t n);
+
 /// N(0, sd) values from a fixed seed (benchmarks are reproducible), by the polar method on the
 /// generator's raw bits. Not std::normal_distribution: its uniforms come from
 /// std::generate_canonical, which in libstdc++ 12 computes log2 of the generator's range in long

@@ -6,7 +6,8 @@
 # bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the same run with
 # the same thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
 # measured paired (BM_attend_paired: one step of each cache in turn, which a machine whose speed
-# drifts disturbs less than separate benchmarks). Each cache holds enough layers for
+# drifts disturbs less than separate benchmarks), with contiguous f16's ratio to a read of as many
+# bytes taken in the same rotation. Each cache holds enough layers for
 # bench::stream_bytes() of its own K+V (twice the L3 Google Benchmark reports, at least 128 MiB;
 # on a VM with 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each
 # step reads the next layer, so that every figure is of K+V read from memory, as in an engine's
@@ -55,7 +56,7 @@ isa = sys.argv[2]
 read = {}   # threads -> bytes/s of BM_read
 read_all = {}  # threads -> every repetition's bytes/s of BM_read
 rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s)
-paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16), ...] per repetition
+paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16, f16 x read), ...] per repetition
 for b in data["benchmarks"]:
     if b.get("run_type") == "aggregate" or b.get("error_occurred"):
         continue
@@ -68,7 +69,7 @@ for b in data["benchmarks"]:
     m = re.match(r"BM_attend_paired/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
         paired.setdefault((int(m.group(2)), int(m.group(3))), []).append(
-            (b["paged_over_contiguous"], b["two_tier_over_f16"]))
+            (b["paged_over_contiguous"], b["two_tier_over_f16"], b["f16_over_read"]))
         continue
     m = re.match(r"BM_attend/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
@@ -123,13 +124,14 @@ print("(tokens/s ratios; targets: paged/contiguous >= 0.9 with the default 16-to
 print(" paged_b64: 64-token blocks, 32k only, for comparison)")
 if paired:
     print()
-    print("paired (BM_attend_paired: one step of each cache in turn, ratios of summed step times;")
-    print("median and range over the repetitions)")
-    print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>24} {'two-tier/f16':>24}")
+    print("paired (BM_attend_paired: one step of each cache and a read of one f16 layer's bytes in turn,")
+    print("ratios of summed step times; median and range over the repetitions; f16 x read: contiguous")
+    print("f16's K+V bytes/s over the paired read's, the same thread count; target >= 0.7)")
+    print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>24} {'two-tier/f16':>24} {'f16 x read':>24}")
     for (n, t), rs in sorted(paired.items()):
         cols = []
-        for k in range(2):
+        for k in range(3):
             v = sorted(r[k] for r in rs)
             cols.append(f"{v[len(v) // 2]:.3f} ({v[0]:.3f}-{v[-1]:.3f})")
-        print(f"{n:>8} {t:>7} {cols[0]:>24} {cols[1]:>24}")
+        print(f"{n:>8} {t:>7} {cols[0]:>24} {cols[1]:>24} {cols[2]:>24}")
 EOF
