@@ -16,6 +16,7 @@
 #include "replaced_new.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -41,7 +42,16 @@
 extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
 #endif
 
+// Allocations above this many bytes are refused (and counted in g_refused_large) while it is set.
+std::atomic<std::size_t> g_refuse_above{0};
+std::atomic<long> g_refused_large{0};
+
 void* kvcache_test_allocate(std::size_t n, std::size_t align) noexcept {
+  const std::size_t limit = g_refuse_above.load(std::memory_order_relaxed);
+  if (limit != 0 && n > limit) {
+    g_refused_large.fetch_add(1, std::memory_order_relaxed);
+    return nullptr;
+  }
   return kvcache_test::fail_now() ? nullptr : kvcache_test::system_allocate(n, align);
 }
 
@@ -150,6 +160,37 @@ TEST(oom, paged_cache_and_shared_pool) {
     ids.push_back(match->seq);
     (void)each_allocation_fails(what + " export_block_tables", [&] { return c.export_block_tables(ids); });
   }
+}
+
+// A batch whose CSR export overflows int32 indices is errc::overflow before anything is
+// allocated for it: until session 54 the cache's own buffers grew to the batch's size first (8
+// GiB here; refused below, which made the call out_of_memory). One sequence of 2^16 one-token
+// blocks, listed 2^15 + 1 times: 2^31 + 2^16 entries.
+TEST(oom, export_block_tables_overflow_before_allocating) {
+  constexpr geometry tiny{1, 1, 16};
+  constexpr std::size_t tokens = std::size_t{1} << 16;
+  auto made = paged_cache<cpu>::create(
+      {.shape = tiny, .storage = format::f16, .block_tokens = 1, .budget_bytes = tokens * tiny.token_width() * 2 * 2});
+  ASSERT_TRUE(made.has_value()) << made.error().message;
+  paged_cache<cpu>& c = *made;
+  const seq_id s = c.create().value();
+  ASSERT_TRUE(c.reserve(s, tokens).has_value());
+  const std::vector<float> k(tokens * tiny.token_width(), 0.5f);
+  ASSERT_TRUE(c.write(s, 0, k, k).has_value());
+  ASSERT_TRUE(c.commit(s).has_value());
+  const std::vector<seq_id> batch((std::size_t{1} << 15) + 1, s);
+  g_refused_large.store(0);
+  g_refuse_above.store(std::size_t{1} << 20);
+  const auto r = c.export_block_tables(batch);
+  g_refuse_above.store(0);
+  EXPECT_EQ(g_refused_large.load(), 0) << "export_block_tables allocated for a batch it cannot export";
+  ASSERT_FALSE(r.has_value());
+  EXPECT_EQ(r.error().code, errc::overflow) << r.error().message;
+  EXPECT_NE(r.error().message.find("blocks=2147549184"), std::string::npos) << r.error().message;
+  // The batch that fits still exports (the buffers were not left in a bad state).
+  const auto one = c.export_block_tables(std::span(batch).first(1));
+  ASSERT_TRUE(one.has_value()) << one.error().message;
+  EXPECT_EQ(one->indptr[1], static_cast<std::int32_t>(tokens));
 }
 
 TEST(oom, two_tier_cache) {

@@ -392,10 +392,7 @@ struct paged_book {
     result<std::size_t> counted = table_entries(batch);
     KVCACHE_TRY(counted);
     const std::size_t total = counted.value();
-    if (batch.size() >= std::numeric_limits<std::uint32_t>::max() ||
-        total > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
-      return fail(errc::overflow, "export_block_tables: batch too large for int32 CSR",
-                  {{"sequences", clamped(batch.size())}, {"blocks", clamped(total)}});
+    KVCACHE_TRY(csr_fits(batch.size(), total));
     if (indptr.size() < batch.size() + 1)
       return fail(errc::bad_shape, "export_block_tables: indptr buffer too small",
                   {{"needed", clamped(batch.size() + 1)}, {"got", clamped(indptr.size())}});
@@ -421,6 +418,7 @@ struct paged_book {
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> batch) {
     result<std::size_t> counted = table_entries(batch);
     KVCACHE_TRY(counted);
+    KVCACHE_TRY(csr_fits(batch.size(), counted.value()));  // before the buffers grow for it
     if (!detail::try_allocate([&] {
           if (csr_indptr.size() < batch.size() + 1) csr_indptr.resize(batch.size() + 1);
           if (csr_indices.size() < counted.value()) csr_indices.resize(counted.value());
@@ -496,6 +494,16 @@ struct paged_book {
       total += blocks_for(seqs[slot.value()].length);
     }
     return total;
+  }
+
+  // Whether a CSR export of `sequences` sequences and `blocks` entries fits int32 indices (and a
+  // uint32 batch count), else overflow naming both.
+  [[nodiscard]] static result<void> csr_fits(std::size_t sequences, std::size_t blocks) {
+    if (sequences >= std::numeric_limits<std::uint32_t>::max() ||
+        blocks > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+      return fail(errc::overflow, "export_block_tables: batch too large for int32 CSR",
+                  {{"sequences", clamped(sequences)}, {"blocks", clamped(blocks)}});
+    return {};
   }
 
   void release_all() noexcept {
