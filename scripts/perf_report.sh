@@ -55,7 +55,8 @@ data = json.load(open(sys.argv[1]))
 isa = sys.argv[2]
 read = {}   # threads -> bytes/s of BM_read
 read_all = {}  # threads -> every repetition's bytes/s of BM_read
-rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s)
+rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s, layers) of the best repetition
+spread = {} # (cache, ctx, threads) -> every repetition's tokens/s
 paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16, f16 x read), ...] per repetition
 for b in data["benchmarks"]:
     if b.get("run_type") == "aggregate" or b.get("error_occurred"):
@@ -74,6 +75,7 @@ for b in data["benchmarks"]:
     m = re.match(r"BM_attend/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
         key = (m.group(1) + " " + m.group(2), int(m.group(4)), int(m.group(5)))
+        spread.setdefault(key, []).append(b["tokens_per_s"])
         if key not in rows or rows[key][0] < b["tokens_per_s"]:
             rows[key] = (b["tokens_per_s"], b["bytes_per_second"], int(b.get("layers", 1)))
 
@@ -103,10 +105,13 @@ if 1 in read and 2 in read and read[1] < 0.25 * read[2]:
     print("warning: BM_read with 1 thread is below a quarter of 2 threads' bandwidth: the baseline looks "
           "disturbed, so are the ratios to it; run the report again")
 print()
-print(f"{'cache':<16} {'context':>8} {'layers':>6} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9}")
+print(f"{'cache':<16} {'context':>8} {'layers':>6} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9} {'spread':>7}")
 for (cache, n, t), (tps, bps, layers) in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
     ratio = bps / read[t] if t in read else float("nan")
-    print(f"{cache:<16} {n:>8} {layers:>6} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f}")
+    v = spread[(cache, n, t)]
+    print(f"{cache:<16} {n:>8} {layers:>6} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f} {max(v) / min(v):>7.2f}")
+print("(spread: the fastest repetition's tokens/s over the slowest's; above about 1.2 the machine's speed moved")
+print(" during the run, and the ratios below, of best repetitions, move with it)")
 print()
 print(f"{'context':>8} {'threads':>7} {'paged/contiguous':>17} {'two-tier/f16':>13} {'paged_b64/contiguous':>21}")
 for n in sorted({k[1] for k in rows}):
