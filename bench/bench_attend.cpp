@@ -249,18 +249,21 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
       tokens, threads);
 }
 
-// A streaming read of a range of words by `threads` threads, for BM_attend_paired's read step,
-// split as BM_read splits its buffer: thread i (the caller is thread 0, threads - 1 helpers the
-// others) sums (bench::sum_words, BM_read's loop) part i of `threads` equal parts. The helpers
-// sleep between reads (spinning 50 us first, as attend's own workers do). A read wakes them and
-// waits until all are running before its clock starts, so that its time is the memory's and not
-// a thread's wake-up, as BM_read's is (whose threads start together): the baseline is the read
-// bandwidth of `threads` threads, while attention's steps pay their own pool's wake-up. With 1
-// thread it is BM_read's loop over the range.
+// A streaming read of a range of words by `threads` threads, for BM_attend_paired's read step:
+// the caller and threads - 1 helpers sum (bench::sum_words, BM_read's loop) chunks of 256 KiB
+// claimed in turn from a counter. The helpers sleep between reads (spinning 50 us first, as
+// attend's own workers do). A read wakes them and waits until all are running before its clock
+// starts, so that its time is the memory's and not a thread's wake-up, as BM_read's is (whose
+// threads start together): the baseline is the read bandwidth of `threads` threads, while
+// attention's steps pay their own pool's wake-up. Chunks, not BM_read's fixed halves: attend's
+// tasks are claimed the same way, and on a VM that takes a vCPU away for a while the halves wait
+// for the descheduled thread's whole half (session 54: with halves, one report run measured
+// contiguous f16 at 4k with 2 threads at 0.37-2.3 times this read over its repetitions, where
+// BM_read itself ranged 20-35 GB/s). With 1 thread it is BM_read's loop over the range.
 class team_read {
  public:
-  explicit team_read(unsigned threads) : parts_(threads > 0 ? threads : 1) {
-    for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { help(i); });
+  explicit team_read(unsigned threads) {
+    for (unsigned i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
   }
   team_read(const team_read&) = delete;
   team_read& operator=(const team_read&) = delete;
@@ -278,6 +281,7 @@ class team_read {
   double operator()(const std::uint64_t* words, std::size_t n, std::uint64_t& sum) {
     words_ = words;
     n_ = n;
+    next_.store(0, std::memory_order_relaxed);
     sum_.store(0, std::memory_order_relaxed);
     arrived_.store(0, std::memory_order_relaxed);
     finished_.store(0, std::memory_order_relaxed);
@@ -291,7 +295,7 @@ class team_read {
     }
     const auto t0 = std::chrono::steady_clock::now();
     go_.store(true, std::memory_order_release);
-    sum_.fetch_add(read_part(0), std::memory_order_relaxed);
+    sum_.fetch_add(read_chunks(), std::memory_order_relaxed);
     while (finished_.load(std::memory_order_acquire) != helpers_.size()) {
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -300,13 +304,18 @@ class team_read {
   }
 
  private:
-  // The sum of part i of the range's parts_ parts (whole words).
-  std::uint64_t read_part(std::size_t i) const {
-    const std::size_t per = n_ / parts_;
-    return bench::sum_words(words_ + i * per, i + 1 == parts_ ? n_ - i * per : per);
+  static constexpr std::size_t chunk_words = (256 << 10) / 8;
+
+  std::uint64_t read_chunks() {
+    std::uint64_t sum = 0;
+    for (;;) {
+      const std::size_t first = next_.fetch_add(1, std::memory_order_relaxed) * chunk_words;
+      if (first >= n_) return sum;
+      sum += bench::sum_words(words_ + first, std::min(chunk_words, n_ - first));
+    }
   }
 
-  void help(std::size_t index) {
+  void help() {
     std::uint64_t seen = 0;
     for (;;) {
       const auto published = [&] { return generation_.load(std::memory_order_acquire) != seen; };
@@ -322,18 +331,17 @@ class team_read {
       arrived_.fetch_add(1, std::memory_order_acq_rel);
       while (!go_.load(std::memory_order_acquire)) {
       }
-      sum_.fetch_add(read_part(index), std::memory_order_relaxed);
+      sum_.fetch_add(read_chunks(), std::memory_order_relaxed);
       finished_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
 
-  const std::size_t parts_;  // threads: the caller and the helpers
   std::vector<std::thread> helpers_;
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;  // under mutex_
   std::atomic<std::uint64_t> generation_{0};
-  std::atomic<std::size_t> arrived_{0}, finished_{0};
+  std::atomic<std::size_t> next_{0}, arrived_{0}, finished_{0};
   std::atomic<bool> go_{false};
   std::atomic<std::uint64_t> sum_{0};
   const std::uint64_t* words_ = nullptr;  // published by generation_
