@@ -256,10 +256,11 @@ void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigne
 // starts, so that its time is the memory's and not a thread's wake-up, as BM_read's is (whose
 // threads start together): the baseline is the read bandwidth of `threads` threads, while
 // attention's steps pay their own pool's wake-up. Chunks, not BM_read's fixed halves: attend's
-// tasks are claimed the same way, and on a VM that takes a vCPU away for a while the halves wait
-// for the descheduled thread's whole half (session 54: with halves, one report run measured
-// contiguous f16 at 4k with 2 threads at 0.37-2.3 times this read over its repetitions, where
-// BM_read itself ranged 20-35 GB/s). With 1 thread it is BM_read's loop over the range.
+// tasks are claimed the same way, and on a VM that takes a vCPU away for a while fixed halves
+// wait for the descheduled thread's whole half. (Session 54 tried halves: in two disturbed
+// report runs, where BM_read's repetitions ranged 11-29 GB/s, contiguous f16 at 4k with 2
+// threads measured 0.35-2.3 times this read over the repetitions; with chunks, 0.58-0.99 in six
+// runs.) With 1 thread it is BM_read's loop over the range.
 class team_read {
  public:
   explicit team_read(unsigned threads) {
