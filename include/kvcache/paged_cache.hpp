@@ -389,36 +389,14 @@ struct paged_book {
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> batch, std::span<std::int32_t> indptr,
                                                             std::span<std::int32_t> indices,
                                                             std::span<std::int32_t> last_block_len) const {
-    result<std::size_t> counted = table_entries(batch);
+    result<std::size_t> counted = csr_entries(batch);
     KVCACHE_TRY(counted);
-    const std::size_t total = counted.value();
-    KVCACHE_TRY(csr_fits(batch.size(), total));
-    if (indptr.size() < batch.size() + 1)
-      return fail(errc::bad_shape, "export_block_tables: indptr buffer too small",
-                  {{"needed", clamped(batch.size() + 1)}, {"got", clamped(indptr.size())}});
-    if (indices.size() < total)
-      return fail(errc::bad_shape, "export_block_tables: indices buffer too small",
-                  {{"needed", clamped(total)}, {"got", clamped(indices.size())}});
-    if (last_block_len.size() < batch.size())
-      return fail(errc::bad_shape, "export_block_tables: last_block_len buffer too small",
-                  {{"needed", clamped(batch.size())}, {"got", clamped(last_block_len.size())}});
-    std::size_t at = 0;
-    indptr[0] = 0;
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      const sequence& s = seqs[ids.slot(batch[i], "export_block_tables").value()];
-      const std::size_t count = blocks_for(s.length);
-      for (std::size_t b = 0; b < count; ++b) indices[at++] = static_cast<std::int32_t>(s.blocks[b]);
-      indptr[i + 1] = static_cast<std::int32_t>(at);
-      last_block_len[i] = static_cast<std::int32_t>(count == 0 ? 0 : s.length - (count - 1) * B());
-    }
-    return block_table_csr{indptr.data(), indices.data(), last_block_len.data(), static_cast<std::uint32_t>(batch.size()),
-                           static_cast<std::uint32_t>(B())};
+    return write_csr(batch, counted.value(), indptr, indices, last_block_len);
   }
 
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> batch) {
-    result<std::size_t> counted = table_entries(batch);
+    result<std::size_t> counted = csr_entries(batch);  // before the buffers grow for it
     KVCACHE_TRY(counted);
-    KVCACHE_TRY(csr_fits(batch.size(), counted.value()));  // before the buffers grow for it
     if (!detail::try_allocate([&] {
           if (csr_indptr.size() < batch.size() + 1) csr_indptr.resize(batch.size() + 1);
           if (csr_indices.size() < counted.value()) csr_indices.resize(counted.value());
@@ -426,7 +404,7 @@ struct paged_book {
         }))
       return fail(errc::out_of_memory, "export_block_tables: CSR arrays",
                   {{"sequences", clamped(batch.size())}, {"blocks", clamped(counted.value())}});
-    return export_block_tables(batch, csr_indptr, csr_indices, csr_last);
+    return write_csr(batch, counted.value(), csr_indptr, csr_indices, csr_last);
   }
 
   /// The counters; resident_bytes is the pool's K/V allocation (a cache adds its own buffers).
@@ -496,14 +474,43 @@ struct paged_book {
     return total;
   }
 
-  // Whether a CSR export of `sequences` sequences and `blocks` entries fits int32 indices (and a
+  // Block-table entries of `batch` (table_entries) where its CSR export fits int32 indices (and a
   // uint32 batch count), else overflow naming both.
-  [[nodiscard]] static result<void> csr_fits(std::size_t sequences, std::size_t blocks) {
-    if (sequences >= std::numeric_limits<std::uint32_t>::max() ||
-        blocks > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+  [[nodiscard]] result<std::size_t> csr_entries(std::span<const seq_id> batch) const {
+    result<std::size_t> counted = table_entries(batch);
+    KVCACHE_TRY(counted);
+    if (batch.size() >= std::numeric_limits<std::uint32_t>::max() ||
+        counted.value() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
       return fail(errc::overflow, "export_block_tables: batch too large for int32 CSR",
-                  {{"sequences", clamped(sequences)}, {"blocks", clamped(blocks)}});
-    return {};
+                  {{"sequences", clamped(batch.size())}, {"blocks", clamped(counted.value())}});
+    return counted;
+  }
+
+  // The CSR export of `batch` (known sequences, `total` entries: csr_entries) into the buffers, or
+  // bad_shape naming the buffer too small (nothing written then).
+  [[nodiscard]] result<block_table_csr> write_csr(std::span<const seq_id> batch, std::size_t total,
+                                                  std::span<std::int32_t> indptr, std::span<std::int32_t> indices,
+                                                  std::span<std::int32_t> last_block_len) const {
+    if (indptr.size() < batch.size() + 1)
+      return fail(errc::bad_shape, "export_block_tables: indptr buffer too small",
+                  {{"needed", clamped(batch.size() + 1)}, {"got", clamped(indptr.size())}});
+    if (indices.size() < total)
+      return fail(errc::bad_shape, "export_block_tables: indices buffer too small",
+                  {{"needed", clamped(total)}, {"got", clamped(indices.size())}});
+    if (last_block_len.size() < batch.size())
+      return fail(errc::bad_shape, "export_block_tables: last_block_len buffer too small",
+                  {{"needed", clamped(batch.size())}, {"got", clamped(last_block_len.size())}});
+    std::size_t at = 0;
+    indptr[0] = 0;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      const sequence& s = seqs[ids.slot(batch[i], "export_block_tables").value()];
+      const std::size_t count = blocks_for(s.length);
+      for (std::size_t b = 0; b < count; ++b) indices[at++] = static_cast<std::int32_t>(s.blocks[b]);
+      indptr[i + 1] = static_cast<std::int32_t>(at);
+      last_block_len[i] = static_cast<std::int32_t>(count == 0 ? 0 : s.length - (count - 1) * B());
+    }
+    return block_table_csr{indptr.data(), indices.data(), last_block_len.data(), static_cast<std::uint32_t>(batch.size()),
+                           static_cast<std::uint32_t>(B())};
   }
 
   void release_all() noexcept {
