@@ -64,6 +64,15 @@ inline std::size_t stream_bytes() {
     std::size_t largest = 0;
     for (const auto& c : benchmark::CPUInfo::Get().caches)
       if (c.type != "Instruction" && c.size > 0) largest = std::max(largest, static_cast<std::size_t>(c.size));
+#if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+    // Google Benchmark reads the caches from /sys/devices/system/cpu/cpu0/cache, which some VMs
+    // lack (the Zen 5 VM of session 55: no caches found, so 128 MiB, and a 32k f16 cache of one
+    // 128 MiB layer partly kept in the L3 of two cores, which read at 1.3x BM_read): glibc's
+    // figures (from CPUID on x86) then.
+    if (largest == 0)
+      for (const long c : {::sysconf(_SC_LEVEL3_CACHE_SIZE), ::sysconf(_SC_LEVEL2_CACHE_SIZE)})
+        if (c > 0) largest = std::max(largest, static_cast<std::size_t>(c));
+#endif
     std::size_t b = std::max(floor, 2 * largest);
 #if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
     const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
