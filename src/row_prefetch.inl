@@ -43,7 +43,9 @@ class row_prefetch {
   // the score kernels' bursts of prefetches faster and a decode step slower: contiguous f16
   // 0.82-0.83x, paged 0.93-0.95x. Likely (this VM has no hardware counters to show it): a
   // prefetch of a line from memory holds a fill buffer until its line comes, and a faster burst
-  // of them queues the tile's own loads (which miss L1) behind them. With the rows() before
+  // of them queues the tile's own loads (which miss L1) behind them. (On Zen 5 and later, whose
+  // prefetches go to L1, the score kernels take rows_held instead: 1.01-1.07x there, session 55;
+  // see scores_dense_heads.) With the rows() before
   // session 48 (one region, its end in a register, a store a line) in the value kernel,
   // contiguous f16 steps ran 0.94-0.96x as fast as with this one there.
   void rows(unsigned rows) noexcept {

@@ -73,19 +73,21 @@ void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_
   }
 }
 
-// pf advances with the rows.
-template <unsigned NQ, unsigned HD, class K>
+// pf advances with the rows (rows_held where Held).
+template <unsigned NQ, unsigned HD, bool Held, class K>
 void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
                row_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
   constexpr unsigned T = umax(1u, V::score_acc / NQ);
   unsigned t = 0;
   for (; t + T <= tokens; t += T) {
-    pf.rows(T);
+    if constexpr (Held) pf.rows_held(T);
+    else pf.rows(T);
     scores_tile<NQ, T, HD>(q, k + t * hd, hd, out + t, out_stride);
   }
   for (; t < tokens; ++t) {
-    pf.rows(1);
+    if constexpr (Held) pf.rows_held(1);
+    else pf.rows(1);
     scores_tile<NQ, 1, HD>(q, k + t * hd, hd, out + t, out_stride);
   }
 }
@@ -100,7 +102,7 @@ unsigned score_token_tile(std::uint32_t head_dim) {
 inline unsigned score_passes(std::uint32_t nq) { return (nq + V::score_queries - 1) / V::score_queries; }
 
 // The scores of one head, in tiles of `tile` tokens; pf advances with the rows.
-template <unsigned HD, class K>
+template <unsigned HD, bool Held, class K>
 void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens, std::uint32_t head_dim,
                  float* out, std::size_t out_stride, unsigned tile, row_prefetch& pf) {
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
@@ -114,17 +116,36 @@ void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tok
       float* o = out + i0 * out_stride + t0;
       i0 += n;
       switch (n) {
-        case 1: scores_nq<1, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 2: scores_nq<2, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 3: scores_nq<3, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 4: scores_nq<4, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 5: scores_nq<5, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 6: scores_nq<6, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 7: scores_nq<7, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        default: scores_nq<8, HD>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 1: scores_nq<1, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 2: scores_nq<2, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 3: scores_nq<3, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 4: scores_nq<4, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 5: scores_nq<5, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 6: scores_nq<6, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 7: scores_nq<7, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        default: scores_nq<8, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
       }
     }
   }
+}
+
+// The scores of heads [0, heads), pf spread over all of them (rows_held where Held).
+template <bool Held, class K>
+void scores_of_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const K* k, std::size_t k_head_stride,
+                     std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim, float* out,
+                     std::size_t out_head_stride, std::size_t out_stride, row_prefetch& pf) {
+  const unsigned tile = score_token_tile<K>(head_dim);
+  // head_dim 128 (most models') has its own code: the channel loops of fixed length, no tail. On
+  // Zen 5, AVX-512, process alternation of the library before and after (5 rounds, medians):
+  // attend at 4k 1.04x paged, 1.03-1.04x contiguous; at 32k paged 1.02x, contiguous within noise
+  // (it streams at the read bandwidth). The 512-bit file's text grew from 201 to 272 KB.
+  for (std::uint32_t h = 0; h < heads; ++h)
+    if (head_dim == 128)
+      scores_head<128, Held>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
+                             out + h * out_head_stride, out_stride, tile, pf);
+    else
+      scores_head<0, Held>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
+                           out + h * out_head_stride, out_stride, tile, pf);
 }
 
 // The scores of `heads` heads (table::scores_f16_heads; one head: table::scores_f16).
@@ -135,18 +156,20 @@ void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t
   // The region is spread over all the work, every row of every query pass, as a steady stream of
   // requests rather than a burst (see all_blocks in attend_avx512.cpp).
   row_prefetch pf(region, heads * tokens * score_passes(nq));
-  const unsigned tile = score_token_tile<K>(head_dim);
-  // head_dim 128 (most models') has its own code: the channel loops of fixed length, no tail. On
-  // Zen 5, AVX-512, process alternation of the library before and after (5 rounds, medians):
-  // attend at 4k 1.04x paged, 1.03-1.04x contiguous; at 32k paged 1.02x, contiguous within noise
-  // (it streams at the read bandwidth). The 512-bit file's text grew from 201 to 272 KB.
-  for (std::uint32_t h = 0; h < heads; ++h)
-    if (head_dim == 128)
-      scores_head<128>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim, out + h * out_head_stride,
-                       out_stride, tile, pf);
-    else
-      scores_head<0>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim, out + h * out_head_stride,
-                     out_stride, tile, pf);
+  // Each tile's lines go out with the cursor in registers (rows_held) where prefetches go to L1
+  // (Zen 5 and later), through rows() elsewhere. Session 55, Zen 5 VM, AVX-512, f16, 8 kv heads x
+  // 128, 32 queries, 32k tokens over 8 layers; in-process alternation of the two (a throwaway
+  // switch, 60 rounds of 3 steps of each layer, 3 runs, medians): contiguous 1.02-1.07x with 1
+  // thread and 1.01-1.04x with 2, paged (16-token blocks) 1.04-1.05x and 1.02-1.05x. On the Intel
+  // VM of session 48 rows_held here measured 0.82-0.83x (contiguous) and 0.93-0.95x (paged): see
+  // row_prefetch::rows. Issuing the lines unrolled by 4 where they all lie in one piece (no
+  // bounds check a line) measured 0.97-1.02x of rows_held on Zen 5: not kept.
+  if (kernels::prefetch_to_l1)
+    scores_of_heads<true>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride,
+                          out_stride, pf);
+  else
+    scores_of_heads<false>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride,
+                           out_stride, pf);
 }
 
 void scores_f16_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k,
