@@ -10,6 +10,16 @@
 // between steps (until session 35 the 4k figures were of that case; until session 45 the caches
 // held 128 MiB, which a VM with 480 MiB of L3 partly kept there). The filled caches are kept from
 // one call of a benchmark to the next (held_caches), and shared by its t:1 and t:2 variants.
+// BM_attend_cached/<cache>/<format>/<isa>/ctx:4096/t:<threads>: the same step over a cache of one
+// 4k layer (f16 16 MiB of K+V, two-tier Q4 4.3 MiB), which stays in the L3 between steps where the
+// L3 holds it: attention's own speed, its K+V from cache rather than memory, an upper bound of the
+// rows of BM_attend (scripts/perf_report.sh prints them side by side). Session 55, Zen 5 VM, 1
+// thread: contiguous f16 26-31 GB/s from the L3, against a BM_read of 24-37 GB/s, where the same
+// core rereads 4-16 MiB at 33-58 GB/s in a plain loop: the f16 step is about as much arithmetic
+// as memory there. With 2 threads a sequence's parts go to whichever worker claims them first
+// (split_tasks), so a part's rows may lie in the other core's cache, and on that VM the two vCPUs
+// have separate L3s (a buffer one vCPU has just read, the other read at 20-23 GB/s, below memory's
+// 24-29): the t:2 rows are not a bound there.
 #include "bench_common.hpp"
 
 #include <kvcache/attend.hpp>
@@ -221,31 +231,37 @@ result<two_tier_cache<>> make_two_tier(std::uint32_t layers = 1) {
 // BM_attend's caches, filled under the benchmark's ISA (its conversions), as a decode loop's are.
 // held_caches keys: the cache and its context; f16 conversion rounds the same on every ISA, so
 // the f16 caches serve every ISA's benchmarks, while the two-tier cache's key names its ISA.
-void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+// cached: one layer, whose K+V stays in the L3 between steps (BM_attend_cached), instead of the
+// layers that make bench::stream_bytes().
+void contiguous_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads, bool cached) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
+  const std::uint32_t layers = cached ? 1 : layers_for(tokens);
   run(state,
-      held_caches("contiguous/" + std::to_string(tokens), tokens,
-                  [tokens] { return make_contiguous(tokens, layers_for(tokens)); }),
+      held_caches("contiguous/" + std::to_string(tokens) + "/" + std::to_string(layers), tokens,
+                  [tokens, layers] { return make_contiguous(tokens, layers); }),
       tokens, threads);
 }
 
 template <std::uint32_t Block>
-void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+void paged_f16(benchmark::State& state, isa which, std::size_t tokens, unsigned threads, bool cached) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
+  const std::uint32_t layers = cached ? 1 : layers_for(tokens);
   run(state,
-      held_caches("paged" + std::to_string(Block) + "/" + std::to_string(tokens), tokens,
-                  [tokens] { return make_paged(tokens, Block, layers_for(tokens)); }),
+      held_caches("paged" + std::to_string(Block) + "/" + std::to_string(tokens) + "/" + std::to_string(layers), tokens,
+                  [tokens, layers] { return make_paged(tokens, Block, layers); }),
       tokens, threads);
 }
 
-void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads) {
+void two_tier_q4(benchmark::State& state, isa which, std::size_t tokens, unsigned threads, bool cached) {
   const bench::isa_scope scope(which);
   if (!scope.ok) return state.SkipWithError("ISA not supported");
+  const std::uint32_t layers = cached ? 1 : two_tier_layers_for(tokens);
   run(state,
-      held_caches("two_tier/" + std::string(to_string(which)) + "/" + std::to_string(tokens), tokens,
-                  [tokens] { return make_two_tier(two_tier_layers_for(tokens)); }),
+      held_caches("two_tier/" + std::string(to_string(which)) + "/" + std::to_string(tokens) + "/" +
+                      std::to_string(layers),
+                  tokens, [layers] { return make_two_tier(layers); }),
       tokens, threads);
 }
 
@@ -461,7 +477,7 @@ void batch_two_tier(benchmark::State& state, isa which, const std::vector<std::s
 }
 
 const bool registered = [] {
-  using fn = void (*)(benchmark::State&, isa, std::size_t, unsigned);
+  using fn = void (*)(benchmark::State&, isa, std::size_t, unsigned, bool);
   const struct {
     const char* name;
     fn f;
@@ -481,9 +497,19 @@ const bool registered = [] {
           const std::string name = std::string("BM_attend/") + c.name + "/" + std::string(to_string(i)) +
                                    "/ctx:" + std::to_string(tokens) + "/t:" + std::to_string(threads);
           benchmark::RegisterBenchmark(name.c_str(), [f = c.f, i, tokens, threads](benchmark::State& st) {
-            f(st, i, tokens, threads);
+            f(st, i, tokens, threads, false);
           })->UseRealTime()->Unit(benchmark::kMicrosecond);
         }
+    // BM_attend_cached: one 4k layer read step after step, from the L3 where it fits.
+    for (const auto& c : caches)
+      for (unsigned threads : {1u, 2u}) {
+        if (c.long_only) continue;
+        const std::string name = std::string("BM_attend_cached/") + c.name + "/" + std::string(to_string(i)) +
+                                 "/ctx:4096/t:" + std::to_string(threads);
+        benchmark::RegisterBenchmark(name.c_str(), [f = c.f, i, threads](benchmark::State& st) {
+          f(st, i, 4096, threads, true);
+        })->UseRealTime()->Unit(benchmark::kMicrosecond);
+      }
     using batch_fn = void (*)(benchmark::State&, isa, const std::vector<std::size_t>&, unsigned);
     // (Plain pairs, not structured bindings: clang 14 cannot capture those.)
     for (const auto& cache : {std::pair<const char*, batch_fn>{"contiguous/f16", batch_contiguous},

@@ -12,7 +12,9 @@
 # on a VM with 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each
 # step reads the next layer, so that every figure is of K+V read from memory, as in an engine's
 # decode loop (bench_attend.cpp, layers_for); the BM_read baseline reads as many bytes (256 MiB at
-# least), from huge pages, as attention does (bench_common.hpp: stream_bytes, buffer).
+# least), from huge pages, as attention does (bench_common.hpp: stream_bytes, buffer). Last, the
+# same step over one 4k layer kept in the L3 (BM_attend_cached): attention's speed without
+# memory's, against the 4k rows from memory.
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
@@ -45,7 +47,7 @@ fi
 
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
-"$bench" --benchmark_filter="^BM_read|^BM_attend/(contiguous|paged|paged_b64|two_tier)/[^/]+/$isa/|^BM_attend_paired/$isa/" \
+"$bench" --benchmark_filter="^BM_read|^BM_attend(_cached)?/(contiguous|paged|paged_b64|two_tier)/[^/]+/$isa/|^BM_attend_paired/$isa/" \
   --benchmark_min_time="$min_time" --benchmark_repetitions="$repetitions" --benchmark_enable_random_interleaving=true --benchmark_out="$out" --benchmark_out_format=json >&2
 
 python3 - "$out" "$isa" <<'EOF'
@@ -58,6 +60,7 @@ read_all = {}  # threads -> every repetition's bytes/s of BM_read
 rows = {}   # (cache, ctx, threads) -> (tokens/s, bytes/s, layers) of the best repetition
 spread = {} # (cache, ctx, threads) -> every repetition's tokens/s
 paired = {} # (ctx, threads) -> [(paged/contiguous, two-tier/f16, f16 x read), ...] per repetition
+cached = {} # (cache, threads) -> (tokens/s, bytes/s) of BM_attend_cached's best repetition
 for b in data["benchmarks"]:
     if b.get("run_type") == "aggregate" or b.get("error_occurred"):
         continue
@@ -71,6 +74,12 @@ for b in data["benchmarks"]:
     if m:
         paired.setdefault((int(m.group(2)), int(m.group(3))), []).append(
             (b["paged_over_contiguous"], b["two_tier_over_f16"], b["f16_over_read"]))
+        continue
+    m = re.match(r"BM_attend_cached/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
+    if m:
+        key = (m.group(1) + " " + m.group(2), int(m.group(5)))
+        if key not in cached or cached[key][0] < b["tokens_per_s"]:
+            cached[key] = (b["tokens_per_s"], b["bytes_per_second"])
         continue
     m = re.match(r"BM_attend/(\w+)/(\w+)/(\w+)/ctx:(\d+)/t:(\d+)", name)
     if m:
@@ -127,6 +136,23 @@ for n in sorted({k[1] for k in rows}):
             print(f"{n:>8} {t:>7} {pc:>17} {qc:>13} {p64c:>21}")
 print("(tokens/s ratios; targets: paged/contiguous >= 0.9 with the default 16-token blocks, two-tier/f16 >= 2.5;")
 print(" paged_b64: 64-token blocks, 32k only, for comparison)")
+if cached:
+    # The same step with its K+V from the L3 (one 4k layer, read step after step): the speed of
+    # attention itself, without memory's. "x 4k row": over the 4k row above, whose K+V comes from
+    # memory; near 1 the step is bound by its own arithmetic, not by the read.
+    l3 = max((c.get("size", 0) for c in ctx.get("caches", []) if c.get("type") != "Instruction"), default=0)
+    print()
+    print("from cache (BM_attend_cached: one 4k layer, 16 MiB of f16 K+V, read step after step from the L3;")
+    print("x 4k row: its tokens/s over the row above of the same cache at 4k, read from memory)")
+    print(f"{'cache':<16} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9} {'x 4k row':>9}")
+    for (cache, t), (tps, bps) in sorted(cached.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ratio = bps / read[t] if t in read else float("nan")
+        row = rows.get((cache, 4096, t))
+        over = f"{tps / row[0]:.3f}" if row else "-"
+        print(f"{cache:<16} {t:>7} {tps:>10.1f} {bps / 1e9:>9.2f} {ratio:>9.3f} {over:>9}")
+    if 0 < l3 < 32 << 20:
+        print(f"warning: the largest cache ({l3 >> 20} MiB) holds less than twice the f16 layer: these rows read")
+        print("         partly from memory")
 if paired:
     print()
     print("paired (BM_attend_paired: one step of each cache and a read of one f16 layer's bytes in turn,")
