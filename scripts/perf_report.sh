@@ -143,7 +143,9 @@ if cached:
     l3 = max((c.get("size", 0) for c in ctx.get("caches", []) if c.get("type") != "Instruction"), default=0)
     print()
     print("from cache (BM_attend_cached: one 4k layer, 16 MiB of f16 K+V, read step after step from the L3;")
-    print("x 4k row: its tokens/s over the row above of the same cache at 4k, read from memory)")
+    print("x 4k row: its tokens/s over the row above of the same cache at 4k, read from memory; with 2")
+    print("threads a part of the sequence may lie in the other core's cache, which on cores with separate")
+    print("L3s reads slower than memory)")
     print(f"{'cache':<16} {'threads':>7} {'tokens/s':>10} {'K+V GB/s':>9} {'x read bw':>9} {'x 4k row':>9}")
     for (cache, t), (tps, bps) in sorted(cached.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ratio = bps / read[t] if t in read else float("nan")
