@@ -14,12 +14,12 @@
 // 4k layer (f16 16 MiB of K+V, two-tier 5 MiB of Q4 and FP16 tail), which stays in the L3 between
 // steps where the L3 holds it: attention's own speed, its K+V from cache rather than memory, an
 // upper bound of the rows of BM_attend (scripts/perf_report.sh prints them side by side). Session
-// 55, Zen 5 VM, 1 thread: contiguous f16 26-31 GB/s from the L3, against a BM_read of 24-37 GB/s,
+// 55, Zen 5 VM, 1 thread: contiguous f16 26-33 GB/s from the L3, against a BM_read of 24-37 GB/s,
 // where the same core rereads 4-16 MiB at 33-58 GB/s in a plain loop: the f16 step is about as much
 // arithmetic as memory there. With 2 threads a sequence's parts go to whichever worker claims them
 // first (split_tasks), so a part's rows may lie in the other core's cache, and on that VM the two
-// vCPUs have separate L3s (a buffer one vCPU has just read, the other read at 20-23 GB/s, below
-// memory's 24-29): the t:2 rows are not a bound there.
+// vCPUs have separate L3s (a buffer one vCPU has just read, the other read at 17-24 GB/s, below
+// memory's 23-29): the t:2 rows are not a bound there.
 #include "bench_common.hpp"
 
 #include <kvcache/attend.hpp>
