@@ -48,16 +48,16 @@ inline constexpr const char* copy_like_counter = "copy_like";
 /// Marks the running benchmark as copy-like: the report compares it with BM_memcpy.
 inline void compare_to_memcpy(benchmark::State& state) { state.counters[copy_like_counter] = 1; }
 
-/// Bytes a benchmark that streams a cache (or a copy of its store) reads in turn, at least (in
-/// the data's own format), so that no layer is still in the CPU's caches when its turn comes
-/// again: twice the largest cache Google Benchmark finds (the L3), at least 128 MiB (4x the L3 of
-/// this project's first machines), at most a sixteenth of the memory (where that is known) but
-/// never below 128 MiB. It was a fixed 128 MiB until session 45, whose Intel VM (480 MiB of L3,
-/// shared with other guests) kept much of that in its L3: a throwaway read (huge pages, best of 7
-/// passes) ran at 30 GB/s over 32 MiB, 24.6 over 128 MiB and 16 over 512 MiB and 2 GiB, and attention
-/// over a contiguous f16 cache at 32k tokens (one 128 MiB layer) read at 1.11x BM_read, over 1 GiB
-/// of layers at 0.78x (session 42 had measured 16-17 GB/s from 96 MiB up on the same kind of VM:
-/// how much of the L3 a guest gets changes from day to day).
+/// Bytes a benchmark that streams a cache (or a copy of its store) reads in turn, at least (in the
+/// data's own format), so that no layer is still in the CPU's caches when its turn comes again:
+/// twice the largest cache Google Benchmark finds (the L3; glibc's L3 or L2 size where it finds
+/// none), at least 128 MiB (4x the L3 of this project's first machines), at most a sixteenth of the
+/// memory (where that is known) but never below 128 MiB. It was a fixed 128 MiB until session 45,
+/// whose Intel VM (480 MiB of L3, shared with other guests) kept much of that in its L3: a
+/// throwaway read (huge pages, best of 7 passes) ran at 30 GB/s over 32 MiB, 24.6 over 128 MiB and
+/// 16 over 512 MiB and 2 GiB, and attention over a contiguous f16 cache at 32k tokens (one 128 MiB
+/// layer) read at 1.11x BM_read, over 1 GiB of layers at 0.78x (session 42 had measured 16-17 GB/s
+/// from 96 MiB up on the same kind of VM: how much of the L3 a guest gets changes from day to day).
 inline std::size_t stream_bytes() {
   static const std::size_t bytes = [] {
     constexpr std::size_t floor = std::size_t{128} << 20;

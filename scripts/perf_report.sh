@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Decode-attention performance report (DESIGN.md section 3): runs kvcache_bench once, filtered to
-# the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16,
-# paged f16 (16-token blocks; 64-token ones at 32k too, for comparison) and two-tier Q4 at 4k
-# and 32k tokens (8 KV heads x 128, 32 query heads): tokens/s of one layer's decode step, K+V
-# bytes read per second, the ratio to the streaming-read bandwidth (BM_read) of the same run with
-# the same thread count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios
-# measured paired (BM_attend_paired: one step of each cache in turn, which a machine whose speed
-# drifts disturbs less than separate benchmarks), with contiguous f16's ratio to a read of as many
-# bytes taken in the same rotation. Each cache holds enough layers for
-# bench::stream_bytes() of its own K+V (twice the L3 Google Benchmark reports, at least 128 MiB;
-# on a VM with 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each
-# step reads the next layer, so that every figure is of K+V read from memory, as in an engine's
-# decode loop (bench_attend.cpp, layers_for); the BM_read baseline reads as many bytes (256 MiB at
-# least), from huge pages, as attention does (bench_common.hpp: stream_bytes, buffer). Last, the
-# same step over one 4k layer kept in the L3 (BM_attend_cached): attention's speed without
-# memory's, against the 4k rows from memory.
+# the BM_read baselines and the BM_attend benches of one ISA, and prints for contiguous f16, paged
+# f16 (16-token blocks; 64-token ones at 32k too, for comparison) and two-tier Q4 at 4k and 32k
+# tokens (8 KV heads x 128, 32 query heads): tokens/s of one layer's decode step, K+V bytes read per
+# second, the ratio to the streaming-read bandwidth (BM_read) of the same run with the same thread
+# count, and the ratios paged/contiguous and two-tier/f16; then the same two ratios measured paired
+# (BM_attend_paired: one step of each cache in turn, which a machine whose speed drifts disturbs
+# less than separate benchmarks), with contiguous f16's ratio to a read of as many bytes taken in
+# the same rotation. Each cache holds enough layers for bench::stream_bytes() of its own K+V (twice
+# the L3 Google Benchmark reports, or glibc's where it finds none, at least 128 MiB; on a VM with
+# 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each step reads the
+# next layer, so that every figure is of K+V read from memory, as in an engine's decode loop
+# (bench_attend.cpp, layers_for); the BM_read baseline reads as many bytes (256 MiB at least), from
+# huge pages, as attention does (bench_common.hpp: stream_bytes, buffer). Last, the same step over
+# one 4k layer kept in the L3 (BM_attend_cached): attention's speed without memory's, against the 4k
+# rows from memory.
 #
 # usage: scripts/perf_report.sh [build-dir] [isa]
 #   build-dir  a build with -DKVCACHE_BUILD_BENCH=ON (default: build; kvcache_bench is built if missing)
