@@ -43,8 +43,8 @@ constexpr float log2e = 1.4426950408889634f;
 // old and new library in alternating processes): 1 query, whose tiles were 128 already, paged
 // 1.27x faster (the stream distance, below), contiguous the same; 2 queries (64-token tiles
 // before) 0.97-1.0x, where 64-token tiles measured 1.0-1.04x of 128 in-process: within noise,
-// not worth a tile per group. Since session 35 a task that reads all heads together (paged blocks)
-// takes shorter tiles at head_dim 128 and above: all_heads_tile.
+// not worth a tile per group. A task that reads all heads together (paged blocks) takes
+// all_heads_tile: since session 56 shorter tiles at head_dim 256 only (see there).
 constexpr std::uint32_t max_tile = 128;
 
 // Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
@@ -253,13 +253,25 @@ constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
 // Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
-// of 16 to 64 tokens, see head_by_head): tile x head_dim = 8192 elements, a multiple of 32 from 32 to
-// max_tile (128 tokens at head_dim 64, 64 at 128, 32 at 256). Chosen with the prefetch stream half
-// a tile ahead (prefetched by phase in session 47, where 128-token tiles at head_dim 128 ran
-// 0.91-0.92x and 32-token 0.975-0.98x as fast as 64 on the Intel VM; a piece ahead since session
-// 48, where 128-token tiles ran as fast as 64 from memory, 1.02x from L2). Session 35, Zen 5 VM, AVX-512, 8 kv heads, 32 queries, 16-token blocks, 1 thread, in-process
-// alternation of paged and contiguous steps (medians of 10 to 14 rounds, ratio paged / contiguous),
-// against 128-token tiles 64 tokens ahead (the setting of every head_dim before):
+// of 16 to 64 tokens, see head_by_head), a multiple of 32 from 32 to max_tile: with the prefetch
+// a piece ahead (two kv heads or more: `pieced`), tile x head_dim = 16384 elements (128 tokens up
+// to head_dim 128, 64 at 256); with the stream half a tile ahead (one kv head), 8192 (128 tokens
+// at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35 (below).
+// Session 56, Zen 5 VM (AVX-512, 8 kv heads x 128, 32 queries, 16-token blocks; in-process
+// alternation of the two tile lengths over the same paged cache, medians of 20 to 40 rounds,
+// speed of 128-token tiles over 64): at 32k tokens over 8 layers (1 GiB, from memory) 1.04-1.05x
+// with 1 thread (four runs), 1.04-1.08x with 2; at 4k over 8 layers 1.05x and 1.06-1.19x; at 4k
+// of one layer (in L3) 1.04-1.08x and 1.15x; AVX2 1.02x and 1.09x; f32 (16k) 1.04x; 8 queries
+// 1.05x, 1 query 1.00x (1 thread) and 1.02x (2); 32- and 64-token blocks 1.02x and 1.03x; head_dim
+// 256 (16k), 64-token tiles over 32, 1.06x and 1.14x. 256-token tiles (max_tile raised, for
+// these tasks only) over 128: 1.03x at 32k, 0.995x at 4k; not worth the larger scratch.
+// Session 35's choice (8192 elements for every task, then with the prefetch stream half a tile
+// ahead; prefetched by phase in session 47, where 128-token tiles at head_dim 128 ran 0.91-0.92x
+// and 32-token 0.975-0.98x as fast as 64 on the Intel VM; a piece ahead since session 48, where
+// 128-token tiles ran as fast as 64 from memory, 1.02x from L2), on the Zen 5 VM, AVX-512, 8 kv
+// heads, 32 queries, 16-token blocks, 1 thread, in-process alternation of paged and contiguous
+// steps (medians of 10 to 14 rounds, ratio paged / contiguous), against 128-token tiles 64
+// tokens ahead (the setting of every head_dim before):
 //   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
 //     (48 ahead 0.888-0.914, 32-token tiles 0.917, the stream in the reads' own order 32 KB
 //     ahead 0.876-0.895); with 2 threads 0.946-0.950 against 0.905-0.917 where the VM gave
@@ -276,7 +288,9 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 //   head_dim 64 (f16, 32k): 128 / 64 0.870-0.887, 64 / 32 0.826-0.837;
 //   f32, head_dim 128 (16k): 0.868-0.884 and 0.799-0.884: the same within noise;
 //   AVX2 (f16, head_dim 128): 0.945 against 0.916 at 32k, 0.935 against 0.915 at 4k over 8 layers.
-std::uint32_t all_heads_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(8192 / hd / 32 * 32, 32, max_tile); }
+std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
+  return std::clamp<std::uint32_t>((pieced ? 16384 : 8192) / hd / 32 * 32, 32, max_tile);
+}
 
 // Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
 bool prefetchable(const chunk& a, std::uint32_t hd) { return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit; }
@@ -658,7 +672,7 @@ struct pass_ends {
 // score call, a block's keys, before it is read): a block's score call (all heads) the next
 // block's keys; the tile's last one the values of the first `lead` heads over all the tile's
 // blocks (a region of pieces, kernels::prefetch_region::more; lead = that call's key bytes over
-// one head's values in the tile: 2 heads with 16-token blocks and 64-token tiles, all 8 with
+// one head's values in the tile: 1 head with 16-token blocks and 128-token tiles, 4 of 8 with
 // 64-token blocks); the value call of head h head h + lead's values; the last lead value calls
 // the next tile's first block's keys, a part each. (With one block a tile this is session 47's
 // prefetch by phase: a block's keys prefetch all its values, the value pass the next keys.)
@@ -974,10 +988,11 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
                 partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit, h + 1 < h1 ? h + 1 : no_head,
                 prefetch_tokens, {!store, true});
   } else {
-    const std::uint32_t tile = all_heads_tile(c.head_dim);
     // A piece ahead where the task scores a block's heads in one call (two heads or more), else
     // the prefetch stream half a tile ahead.
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, h1 - h0 >= 2 ? piece_ahead : tile / 2);
+    const bool pieced = h1 - h0 >= 2;
+    const std::uint32_t tile = all_heads_tile(c.head_dim, pieced);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, pieced ? piece_ahead : tile / 2);
   }
 }
 
