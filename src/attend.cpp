@@ -43,18 +43,27 @@ constexpr float log2e = 1.4426950408889634f;
 // old and new library in alternating processes): 1 query, whose tiles were 128 already, paged
 // 1.27x faster (the stream distance, below), contiguous the same; 2 queries (64-token tiles
 // before) 0.97-1.0x, where 64-token tiles measured 1.0-1.04x of 128 in-process: within noise,
-// not worth a tile per group. A task that reads all heads together (paged blocks) takes
-// all_heads_tile: since session 56 shorter tiles at head_dim 256 only (see there).
-constexpr std::uint32_t max_tile = 128;
+// not worth a tile per group. Since session 56 the tiles are 256 tokens up to head_dim 128
+// (head_tile), and a task that reads all heads together (paged blocks) takes all_heads_tile.
+constexpr std::uint32_t max_tile = 256;
+
+// Tokens per tile of a task that reads a view head by head, at most: 256 up to head_dim 128, 128
+// above. Session 56, Zen 5 VM (AVX-512, contiguous f16, 8 kv heads, 32 queries; in-process
+// alternation of 256- and 128-token tiles over the same cache, medians of 20 to 30 rounds, speed
+// of 256 over 128): at 32k tokens over 8 layers (1 GiB, from memory) 1.00-1.02x with 1 thread,
+// 1.06-1.08x with 2; at 4k over 8 layers 1.09x and 1.05x; at 4k of one layer (in L3) 1.06x; AVX2
+// 1.02x at 32k and 1.03x at 4k; head_dim 64 1.01x; 8 queries and 64 queries a kv head 1.02x and
+// 1.01x; but head_dim 256 (16k) 0.98x, which keeps 128.
+std::uint32_t head_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 128, max_tile); }
 
 // Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
 // so that a tile's rows lie in one chunk or two, and the rows a kernel prefetches (the tile's
 // successor in its chunk, or the first rows of the following chunk: ahead_rows) are the ones read
 // next; 64-token paged blocks read head by head ran at 0.46x the speed with 128-token tiles.
-std::uint32_t large_tile(const layer_view& view) {
-  if (view.count <= 1) return max_tile;
+std::uint32_t large_tile(const layer_view& view, std::uint32_t hd) {
+  if (view.count <= 1) return head_tile(hd);
   const std::uint32_t half = view.tokens / view.count / 2;
-  return std::clamp<std::uint32_t>(half / 32 * 32, 32, max_tile);
+  return std::clamp<std::uint32_t>(half / 32 * 32, 32, head_tile(hd));
 }
 
 // Average tokens per chunk from which a view is read head by head (see run_task).
@@ -253,7 +262,7 @@ constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
 // Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
-// of 16 to 64 tokens, see head_by_head), a multiple of 32 from 32 to max_tile: with the prefetch
+// of 16 to 64 tokens, see head_by_head), a multiple of 32 from 32 to 128: with the prefetch
 // a piece ahead (two kv heads or more: `pieced`), tile x head_dim = 16384 elements (128 tokens up
 // to head_dim 128, 64 at 256); with the stream half a tile ahead (one kv head), 8192 (128 tokens
 // at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35 (below).
@@ -263,8 +272,8 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 // with 1 thread (four runs), 1.04-1.08x with 2; at 4k over 8 layers 1.05x and 1.06-1.19x; at 4k
 // of one layer (in L3) 1.04-1.08x and 1.15x; AVX2 1.02x and 1.09x; f32 (16k) 1.04x; 8 queries
 // 1.05x, 1 query 1.00x (1 thread) and 1.02x (2); 32- and 64-token blocks 1.02x and 1.03x; head_dim
-// 256 (16k), 64-token tiles over 32, 1.06x and 1.14x. 256-token tiles (max_tile raised, for
-// these tasks only) over 128: 1.03x at 32k, 0.995x at 4k; not worth the larger scratch.
+// 256 (16k), 64-token tiles over 32, 1.06x and 1.14x. 256-token tiles over 128: 1.03x at 32k,
+// 0.995x at 4k (1 thread): not taken.
 // Session 35's choice (8192 elements for every task, then with the prefetch stream half a tile
 // ahead; prefetched by phase in session 47, where 128-token tiles at head_dim 128 ran 0.91-0.92x
 // and 32-token 0.975-0.98x as fast as 64 on the Intel VM; a piece ahead since session 48, where
@@ -289,7 +298,7 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 //   f32, head_dim 128 (16k): 0.868-0.884 and 0.799-0.884: the same within noise;
 //   AVX2 (f16, head_dim 128): 0.945 against 0.916 at 32k, 0.935 against 0.915 at 4k over 8 layers.
 std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
-  return std::clamp<std::uint32_t>((pieced ? 16384 : 8192) / hd / 32 * 32, 32, max_tile);
+  return std::clamp<std::uint32_t>((pieced ? 16384 : 8192) / hd / 32 * 32, 32, 128);
 }
 
 // Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
@@ -976,7 +985,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
   if (head_by_head(view, c.head_dim)) {
-    const std::uint32_t limit = large_tile(view);
+    const std::uint32_t limit = large_tile(view, c.head_dim);
     // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
     // rest (its FP16 tail) head by head, each head's state kept in the scratch in between; without
     // such groups every head in turn over the whole range, in one state's place.
