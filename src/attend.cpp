@@ -52,7 +52,7 @@ constexpr std::uint32_t max_tile = 256;
 // alternation of 256- and 128-token tiles over the same cache, medians of 20 to 30 rounds, speed
 // of 256 over 128): at 32k tokens over 8 layers (1 GiB, from memory) 1.00-1.02x with 1 thread,
 // 1.06-1.08x with 2; at 4k over 8 layers 1.09x and 1.05x; at 4k of one layer (in L3) 1.06x; AVX2
-// 1.02x at 32k and 1.03x at 4k; head_dim 64 1.01x; 8 queries and 64 queries a kv head 1.02x and
+// 1.02x at 32k and 1.03x at 4k; head_dim 64 1.01x; 1 query and 8 queries a kv head 1.02x and
 // 1.01x; but head_dim 256 (16k) 0.98x, which keeps 128.
 std::uint32_t head_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 128, max_tile); }
 
