@@ -31,9 +31,11 @@ struct dependent {
 };
 
 // NQ queries x T tokens, all accumulators in registers; K rows are read once for all queries.
-// HD: hd known at compile time (0: not; see scores_dense_heads).
+// HD: hd known at compile time (0: not; see scores_dense_heads). Inlined into scores_nq where
+// Inl (scores_dense_heads), else called through scores_tile.
 template <unsigned NQ, unsigned T, unsigned HD, class K>
-void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_t out_stride) {
+[[gnu::always_inline]] inline
+void scores_tile_body(const float* q, const K* k, unsigned hd, float* out, std::size_t out_stride) {
   using VK = typename dependent<V, K>::type;
   if constexpr (HD != 0) hd = HD;
   vf acc[NQ * T];
@@ -73,8 +75,13 @@ void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_
   }
 }
 
+template <unsigned NQ, unsigned T, unsigned HD, class K>
+void scores_tile(const float* q, const K* k, unsigned hd, float* out, std::size_t out_stride) {
+  scores_tile_body<NQ, T, HD>(q, k, hd, out, out_stride);
+}
+
 // pf advances with the rows (rows_held where Held).
-template <unsigned NQ, unsigned HD, bool Held, class K>
+template <unsigned NQ, unsigned HD, bool Held, bool Inl, class K>
 void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* out, std::size_t out_stride,
                row_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
@@ -83,7 +90,8 @@ void scores_nq(const float* q, const K* k, unsigned tokens, unsigned hd, float* 
   for (; t + T <= tokens; t += T) {
     if constexpr (Held) pf.rows_held(T);
     else pf.rows(T);
-    scores_tile<NQ, T, HD>(q, k + t * hd, hd, out + t, out_stride);
+    if constexpr (Inl) scores_tile_body<NQ, T, HD>(q, k + t * hd, hd, out + t, out_stride);
+    else scores_tile<NQ, T, HD>(q, k + t * hd, hd, out + t, out_stride);
   }
   for (; t < tokens; ++t) {
     if constexpr (Held) pf.rows_held(1);
@@ -102,7 +110,7 @@ unsigned score_token_tile(std::uint32_t head_dim) {
 inline unsigned score_passes(std::uint32_t nq) { return (nq + V::score_queries - 1) / V::score_queries; }
 
 // The scores of one head, in tiles of `tile` tokens; pf advances with the rows.
-template <unsigned HD, bool Held, class K>
+template <unsigned HD, bool Held, bool Inl, class K>
 void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tokens, std::uint32_t head_dim,
                  float* out, std::size_t out_stride, unsigned tile, row_prefetch& pf) {
   for (unsigned t0 = 0; t0 < tokens; t0 += tile) {
@@ -116,21 +124,21 @@ void scores_head(const float* q, std::uint32_t nq, const K* k, std::uint32_t tok
       float* o = out + i0 * out_stride + t0;
       i0 += n;
       switch (n) {
-        case 1: scores_nq<1, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 2: scores_nq<2, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 3: scores_nq<3, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 4: scores_nq<4, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 5: scores_nq<5, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 6: scores_nq<6, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        case 7: scores_nq<7, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
-        default: scores_nq<8, HD, Held>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 1: scores_nq<1, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 2: scores_nq<2, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 3: scores_nq<3, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 4: scores_nq<4, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 5: scores_nq<5, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 6: scores_nq<6, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        case 7: scores_nq<7, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
+        default: scores_nq<8, HD, Held, Inl>(qi, kt, nt, head_dim, o, out_stride, pf); break;
       }
     }
   }
 }
 
 // The scores of heads [0, heads), pf spread over all of them (rows_held where Held).
-template <bool Held, class K>
+template <bool Held, bool Inl, class K>
 void scores_of_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const K* k, std::size_t k_head_stride,
                      std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim, float* out,
                      std::size_t out_head_stride, std::size_t out_stride, row_prefetch& pf) {
@@ -141,11 +149,11 @@ void scores_of_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq
   // (it streams at the read bandwidth). The 512-bit file's text grew from 201 to 272 KB.
   for (std::uint32_t h = 0; h < heads; ++h)
     if (head_dim == 128)
-      scores_head<128, Held>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
-                             out + h * out_head_stride, out_stride, tile, pf);
+      scores_head<128, Held, Inl>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
+                                  out + h * out_head_stride, out_stride, tile, pf);
     else
-      scores_head<0, Held>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
-                           out + h * out_head_stride, out_stride, tile, pf);
+      scores_head<0, Held, Inl>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
+                                out + h * out_head_stride, out_stride, tile, pf);
 }
 
 // The scores of `heads` heads (table::scores_f16_heads; one head: table::scores_f16).
@@ -164,12 +172,35 @@ void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t
   // VM of session 48 rows_held here measured 0.82-0.83x (contiguous) and 0.93-0.95x (paged): see
   // row_prefetch::rows. Issuing the lines unrolled by 4 where they all lie in one piece (no
   // bounds check a line) measured 0.97-1.02x of rows_held on Zen 5: not kept.
+  // A call over several heads (a paged block read all heads together, 16 tokens a head) has the
+  // score tile inlined into its loop over tokens: the tile is otherwise a call every 4 tokens (at 4
+  // queries a kv head), whose set-up and return the short blocks pay 4 times a head. Session 57,
+  // Zen 5 VM, GCC 12, AVX-512, f16, 8 kv heads x 128, 32 queries, 16-token blocks; in-process
+  // alternation over the same cache (a throwaway switch, 30 to 60 rounds of 3 steps of each layer,
+  // medians, speed inlined over called): 32k tokens over 8 layers 1.06-1.07x with 1 thread (two
+  // runs), 1.03x with 2; 4k over 8 layers 1.02-1.03x and 1.12x; one 4k layer (from the L3) 1.06x;
+  // AVX2 1.04x; head_dim 64 1.02x; f32 (16k) 1.04x; 1 query a kv head 1.02x; 64-token blocks 1.01x.
+  // (Session 56 measured the same for contiguous calls, one head, at 1.02-1.05x with 1 thread but
+  // 0.98-0.99x with 2: they keep the call.) GCC only: Clang 14 took 140-190 s rather than 19 to
+  // compile kernels_avx512.cpp with this third call site of scores_of_heads (102 s of it in its SLP
+  // vectorizer), even where it was the same instantiation as another site.
+#if defined(__GNUC__) && !defined(__clang__)
+  if (heads > 1) {
+    if (kernels::prefetch_to_l1)
+      scores_of_heads<true, true>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride,
+                                  out_stride, pf);
+    else
+      scores_of_heads<false, true>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out,
+                                   out_head_stride, out_stride, pf);
+    return;
+  }
+#endif
   if (kernels::prefetch_to_l1)
-    scores_of_heads<true>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride,
-                          out_stride, pf);
+    scores_of_heads<true, false>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out,
+                                 out_head_stride, out_stride, pf);
   else
-    scores_of_heads<false>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride,
-                           out_stride, pf);
+    scores_of_heads<false, false>(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out,
+                                  out_head_stride, out_stride, pf);
 }
 
 void scores_f16_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k,
