@@ -767,10 +767,37 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 /// against 344-353 us), slower with it (364-396 us), and the one-wave shapes 2-4 % slower.
 constexpr unsigned tc_min_blocks(std::uint32_t ahead) { return ahead == 0 ? 4u : 1u; }
 
-template <std::uint32_t D, std::uint32_t AHEAD>
+/// attend_tc's 16-byte loads of keys and values. Without prefetch (AHEAD 0) each asks L2 for the
+/// 256 bytes around it (.L2::256B): the warp's first load of a key or value row brings the bytes
+/// of its later ones into L2, so that DRAM is asked for whole rows (H200, session 58: 1.01-1.07x
+/// at every shape measured), and with BYPASS it skips L1 (attend_params::bypass_l1). With
+/// prefetch, plain loads: the prefetch already asked for the lines, and the hint made those
+/// launches 4-6 % slower (session 58).
+template <std::uint32_t AHEAD, bool BYPASS>
+__device__ __forceinline__ uint4 load_kv16(const std::byte* p) {
+#if defined(__CUDA_ARCH__)
+  uint4 r;
+  if constexpr (AHEAD > 0)
+    r = *reinterpret_cast<const uint4*>(p);
+  else if constexpr (BYPASS)
+    asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  else
+    asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  return r;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
+template <std::uint32_t D, std::uint32_t AHEAD, bool BYPASS = false>
 __global__ void __launch_bounds__(kThreads, tc_min_blocks(AHEAD))
     attend_tc(attend_params p, std::uint32_t seg, std::uint32_t split_base, std::uint32_t total_splits, float score_scale) {
   static_assert(D == 64 || D == 128);
+  static_assert(AHEAD == 0 || !BYPASS);
   constexpr std::uint32_t KJ = D / 32;  // 16-byte key loads per row and lane (two k-steps each)
   constexpr std::uint32_t VH = D / 64;  // 16-byte value loads per token and lane (four m-tiles each)
   constexpr std::uint32_t MT = D / 16;  // m-tiles of the outputs
@@ -850,14 +877,14 @@ __global__ void __launch_bounds__(kThreads, tc_min_blocks(AHEAD))
     for (std::uint32_t r = 0; r < 2; ++r) {
       const std::byte* row = row_of(pg.k, pg.k_page_stride, pg.k_head_stride, min(t0 + g + 8 * r, t_end - 1)) + 16 * t;
 #pragma unroll
-      for (std::uint32_t j = 0; j < KJ; ++j) kr[r][j] = *reinterpret_cast<const uint4*>(row + 64 * j);
+      for (std::uint32_t j = 0; j < KJ; ++j) kr[r][j] = load_kv16<AHEAD, BYPASS>(row + 64 * j);
     }
 #pragma unroll
     for (std::uint32_t u = 0; u < 4; ++u) {
       const std::uint32_t tok = t0 + 2 * t + (u & 1u) + 8 * (u / 2);
       const std::byte* row = row_of(pg.v, pg.v_page_stride, pg.v_head_stride, min(tok, t_end - 1)) + 16 * g;
 #pragma unroll
-      for (std::uint32_t h = 0; h < VH; ++h) vr[u][h] = *reinterpret_cast<const uint4*>(row + 128 * h);
+      for (std::uint32_t h = 0; h < VH; ++h) vr[u][h] = load_kv16<AHEAD, BYPASS>(row + 128 * h);
     }
 
     // Scores: s[0], s[1] = token g, heads 2t, 2t + 1; s[2], s[3] = token g + 8.
@@ -1183,16 +1210,18 @@ partial_fn pick_dense_l(std::uint32_t D, std::uint32_t gqa) {
   return pick_dense_g<F, 32>(gqa);
 }
 template <std::uint32_t D>
-partial_fn pick_tc_ahead(std::uint32_t ahead) {
+partial_fn pick_tc_ahead(std::uint32_t ahead, bool bypass_l1) {
   switch (ahead) {
     case 1: return attend_tc<D, 1>;
     case 2: return attend_tc<D, 2>;
     case 3: return attend_tc<D, 3>;
     case 4: return attend_tc<D, 4>;
-    default: return attend_tc<D, 0>;
+    default: return bypass_l1 ? attend_tc<D, 0, true> : attend_tc<D, 0>;
   }
 }
-partial_fn pick_tc(std::uint32_t D, std::uint32_t ahead) { return D == 64 ? pick_tc_ahead<64>(ahead) : pick_tc_ahead<128>(ahead); }
+partial_fn pick_tc(std::uint32_t D, std::uint32_t ahead, bool bypass_l1) {
+  return D == 64 ? pick_tc_ahead<64>(ahead, bypass_l1) : pick_tc_ahead<128>(ahead, bypass_l1);
+}
 partial_fn pick_dense(format f, std::uint32_t D, std::uint32_t gqa) {
   return f == format::f32 ? pick_dense_l<format::f32>(D, gqa) : pick_dense_l<format::f16>(D, gqa);
 }
@@ -1305,7 +1334,7 @@ result<void> launch_attend(const attend_params& p, Launch&& launch) {
   std::uint32_t base = 0;
   for (std::uint32_t s = 0; s < p.segments; ++s) {
     const std::uint32_t gqa_s = p.q_heads / p.kv_heads;
-    const partial_fn fn = tc_path(p, s)           ? pick_tc(p.head_dim, p.prefetch_steps)
+    const partial_fn fn = tc_path(p, s)           ? pick_tc(p.head_dim, p.prefetch_steps, p.bypass_l1)
                           : dense_fast_path(p, s) ? pick_dense(p.pages[s].k_format, p.head_dim, gqa_s)
                           : q4_fast_path(p, s)  ? pick_q4(p.head_dim, gqa_s)
                                                 : pick(p.pages[s].k_format, p.pages[s].v_format);

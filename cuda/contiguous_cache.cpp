@@ -427,6 +427,7 @@ result<void> contiguous_cache<cuda>::attend(std::uint32_t layer, const attention
   p.segments = 1;
   p.split_tokens = splits->tokens;
   p.prefetch_steps = splits->prefetch;
+  p.bypass_l1 = splits->bypass_l1;
   p.max_splits[0] = splits->count;
   return detail::launch_attend(m, p, ap, q, out, workspace);
 }

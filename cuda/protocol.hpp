@@ -196,6 +196,7 @@ struct split_plan {
   std::uint32_t tokens;    // split_tokens
   std::uint32_t count;     // max_splits (per segment)
   std::uint32_t prefetch;  // prefetch_steps
+  bool bypass_l1;
 };
 
 /// Multiprocessors of `device`: asked of the runtime once per device and process (attend()
@@ -232,12 +233,9 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
   if (cover < m.prepared_longest)
     return fail(errc::invalid_argument, "attend: options.max_tokens below a prepared sequence's length",
                 {{"max_tokens", static_cast<long long>(cover)}, {"longest", static_cast<long long>(m.prepared_longest)}});
-  int sms = 0;  // asked only when something is automatic
-  if (opt.split_tokens == 0 || !opt.prefetch_steps.has_value()) {
-    const result<int> n = multiprocessors(m.where.device);
-    KVCACHE_TRY(n);
-    sms = n.value();
-  }
+  const result<int> sms_or = multiprocessors(m.where.device);  // bypass_l1 is always automatic
+  KVCACHE_TRY(sms_or);
+  const int sms = sms_or.value();
   const std::size_t batch = m.batch_slots.size();
   const std::uint32_t tokens =
       opt.split_tokens != 0 ? opt.split_tokens : cuda_auto_split_tokens(cover, batch, g.kv_heads, ap.q_heads, sms);
@@ -245,11 +243,10 @@ result<split_plan> attend_splits(const Impl& m, std::uint32_t layer, const atten
   if (splits > 65535)
     return fail(errc::invalid_argument, "attend: too many splits (raise split_tokens)",
                 {{"splits", static_cast<long long>(splits)}, {"split_tokens", tokens}});
+  const std::size_t blocks = cuda_attend_blocks(batch, g.kv_heads, ap.q_heads, splits);
   const std::uint32_t prefetch =
-      opt.prefetch_steps.has_value()
-          ? *opt.prefetch_steps
-          : cuda_auto_prefetch_steps(tokens, cuda_attend_blocks(batch, g.kv_heads, ap.q_heads, splits), sms);
-  return split_plan{tokens, static_cast<std::uint32_t>(splits), prefetch};
+      opt.prefetch_steps.has_value() ? *opt.prefetch_steps : cuda_auto_prefetch_steps(tokens, blocks, sms);
+  return split_plan{tokens, static_cast<std::uint32_t>(splits), prefetch, cuda_auto_bypass_l1(blocks, sms)};
 }
 
 /// attend(), last step: p (pages, tables, segments, split_tokens and max_splits set by the cache) completed

@@ -537,6 +537,7 @@ result<void> two_tier_cache<cuda>::attend(std::uint32_t layer, const attention_p
   p.segments = 2;
   p.split_tokens = splits->tokens;
   p.prefetch_steps = splits->prefetch;
+  p.bypass_l1 = splits->bypass_l1;
   p.max_splits[0] = p.max_splits[1] = splits->count;
   return detail::launch_attend(m, p, ap, q, out, workspace);
 }

@@ -248,7 +248,8 @@ void BM_cuda_append(benchmark::State& state) {
 // range(0): tokens per sequence; range(1): batch; range(2): 0 contiguous f16, 1 paged f16
 // (16-token pages), 2 q4 (32-token pages, read in place); range(3): split_tokens (tokens per block),
 // 0 for the caches' automatic choice (cuda_auto_split_tokens; the counter `split` shows it);
-// range(4): attend_params::prefetch_steps (attend_tc's L2 prefetch distance, f16 only).
+// range(4): attend_params::prefetch_steps (attend_tc's L2 prefetch distance, f16 only); range(5):
+// attend_params::bypass_l1 (attend_tc's loads without prefetch skip L1).
 void BM_cuda_attend(benchmark::State& state) {
   paged_fixture f;
   f.tokens = static_cast<std::uint32_t>(state.range(0));
@@ -276,6 +277,7 @@ void BM_cuda_attend(benchmark::State& state) {
   }
   state.counters["split"] = p.split_tokens;
   p.prefetch_steps = static_cast<std::uint32_t>(state.range(4));
+  p.bypass_l1 = state.range(5) != 0;
   p.max_splits[0] = (f.tokens + p.split_tokens - 1) / p.split_tokens;
   const std::size_t qn = static_cast<std::size_t>(f.seqs) * q_heads * f.head_dim;
   p.q = static_cast<const float*>(device_alloc(qn * 4));
@@ -301,20 +303,30 @@ void BM_cuda_attend(benchmark::State& state) {
 BENCHMARK(BM_cuda_memcpy_d2d)->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
 BENCHMARK(BM_cuda_append)->ArgNames({"paged", "src_f16"})->ArgsProduct({{0, 1}, {0, 1}})->UseManualTime();
 BENCHMARK(BM_cuda_attend)
-    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {0, 128, 256, 512, 1024}, {0}})
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch", "l1"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1, 2}, {0, 128, 256, 512, 1024}, {0}, {0}})
     ->UseManualTime();
 // attend_tc's L2 prefetch distance, at the caches' split and at two shorter ones (prefetch:0 is
 // in the sweep above; 3 and 4 steps were never faster than 2 on an H200, session 43).
 BENCHMARK(BM_cuda_attend)
-    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}, {0, 256, 512}, {1, 2}})
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch", "l1"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}, {0, 256, 512}, {1, 2}, {0}})
     ->UseManualTime();
 // Between the grids above (256 and 2048 blocks of 1024 tokens): where prefetch (3 blocks of the
 // kernel per SM) stops paying against 4 blocks without it (cuda_auto_prefetch_steps).
 BENCHMARK(BM_cuda_attend)
-    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch"})
-    ->ArgsProduct({{32768}, {2, 4}, {0}, {0}, {0, 1}})
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch", "l1"})
+    ->ArgsProduct({{32768}, {2, 4}, {0}, {0}, {0, 1}, {0}})
+    ->UseManualTime();
+// Loads that skip L1 (bypass_l1, without prefetch), against l1:0 above: where they start to pay
+// (cuda_auto_bypass_l1).
+BENCHMARK(BM_cuda_attend)
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch", "l1"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}, {0}, {0}, {1}})
+    ->UseManualTime();
+BENCHMARK(BM_cuda_attend)
+    ->ArgNames({"tokens", "batch", "kind", "split", "prefetch", "l1"})
+    ->ArgsProduct({{32768}, {2, 4}, {0}, {0}, {0}, {1}})
     ->UseManualTime();
 
 int main(int argc, char** argv) {

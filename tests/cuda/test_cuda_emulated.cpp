@@ -38,6 +38,7 @@ struct attend_case {
   std::vector<std::uint32_t> lens;
   float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
   std::uint32_t prefetch = 0;  // attend_params::prefetch_steps
+  bool bypass_l1 = false;      // attend_params::bypass_l1
 };
 
 TEST(cuda_emulated, attend_kernels_match_float64_reference) {
@@ -67,6 +68,9 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
       {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 200}, 1.0f, 2},
       {8, 1, 128, format::f16, format::f16, 300, false, 256, {299, 130}, 1.0f, 4},
       {4, 1, 128, format::q4, format::q4, 32, true, 32, {129, 64}, 1.0f, 3},  // the f16 tail
+      // ... loads that skip L1 (bypass_l1: the emulation reads them as any load)
+      {8, 2, 128, format::f16, format::f16, 16, false, 64, {1, 8, 9, 17, 90}, 1.0f, 0, true},
+      {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 200}, 1.0f, 0, true},
       // attend_dense (f32, and f16 of head_dim 256): steps of 4 (f32, 64), 2 (f32, 256) and 4
       // (f16, 256) tokens
       {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3}},  // gqa 3: a zero fourth query head
@@ -106,6 +110,7 @@ TEST(cuda_emulated, attend_kernels_match_float64_reference) {
     p.head_dim = c.head_dim;
     p.split_tokens = c.split_tokens;
     p.prefetch_steps = c.prefetch;
+    p.bypass_l1 = c.bypass_l1;
     for (std::size_t s = 0; s < segs.size(); ++s) {
       kvcache::device_pages& pg = p.pages[s];
       pg.k = segs[s].k_pool.data();

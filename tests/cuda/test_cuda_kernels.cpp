@@ -258,6 +258,7 @@ struct attend_case {
   std::vector<std::uint32_t> lens;
   float q_scale = 1.0f;  // queries uniform in [-q_scale, q_scale]
   std::uint32_t prefetch = 0;  // attend_params::prefetch_steps
+  bool bypass_l1 = false;      // attend_params::bypass_l1
 };
 
 void run_attend(const attend_case& c) {
@@ -284,6 +285,7 @@ void run_attend(const attend_case& c) {
   p.head_dim = c.head_dim;
   p.split_tokens = c.split_tokens;
   p.prefetch_steps = c.prefetch;
+  p.bypass_l1 = c.bypass_l1;
   std::vector<device_segment> dsegs(segs.size());
   for (std::size_t s = 0; s < segs.size(); ++s) {
     auto k = upload(where, segs[s].k_pool);
@@ -326,6 +328,13 @@ void run_attend(const attend_case& c) {
   KVCACHE_ASSERT_OK(kvcache::cuda_attend(where, p));
   auto got = download(where, dout->data(), qn);
   KVCACHE_ASSERT_OK(got);
+  if (c.bypass_l1) {  // the same arithmetic as the loads through L1: the same bytes
+    p.bypass_l1 = false;
+    KVCACHE_ASSERT_OK(kvcache::cuda_attend(where, p));
+    auto through_l1 = download(where, dout->data(), qn);
+    KVCACHE_ASSERT_OK(through_l1);
+    EXPECT_EQ(std::memcmp(got->data(), through_l1->data(), qn * sizeof(float)), 0) << "bypass_l1 changed the output";
+  }
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const std::uint32_t gqa = c.q_heads / c.kv_heads;
@@ -387,6 +396,11 @@ TEST(cuda_kernels, attend_matches_float64_reference) {
       {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 1024}, 1.0f, 1},
       {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}, 1.0f, 4},
       {32, 8, 128, format::q4, format::q4, 32, true, 256, {31, 1000}, 1.0f, 3},  // the f16 tail
+      // ... loads that skip L1 (bypass_l1, without prefetch)
+      {32, 8, 128, format::f16, format::f16, 16, false, 256, {1, 9, 17, 33, 1000, 4099}, 1.0f, 0, true},
+      {6, 2, 64, format::f16, format::f16, 5, false, 96, {47, 3, 1024}, 1.0f, 0, true},
+      {8, 1, 128, format::f16, format::f16, 5000, false, 512, {4999, 130}, 1.0f, 0, true},
+      {32, 8, 128, format::q4, format::q4, 32, true, 256, {31, 1000}, 1.0f, 0, true},  // the f16 tail
       // attend_dense (f32 keys and values, and f16 of head_dim 256)
       {6, 2, 64, format::f32, format::f32, 8, false, 32, {47, 3, 1024}},    // gqa 3: a zero fourth query head
       {2, 1, 256, format::f32, format::f32, 16, false, 64, {130, 1}},

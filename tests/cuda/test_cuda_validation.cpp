@@ -262,6 +262,16 @@ TEST(cuda_validation, automatic_split_fills_the_multiprocessors) {
   EXPECT_EQ(cuda_auto_prefetch_steps(224, 64, 132), 0u);
   EXPECT_EQ(cuda_auto_prefetch_steps(1024, 1, 0), 0u);
   EXPECT_EQ(cuda_auto_prefetch_steps(1024, 1, -3), 0u);
+  // Loads that skip L1 past one wave of 4 blocks per SM (kernels.hpp says why).
+  using kvcache::cuda_auto_bypass_l1;
+  EXPECT_TRUE(cuda_auto_bypass_l1(2048, 132));    // 32k x 8
+  EXPECT_TRUE(cuda_auto_bypass_l1(1024, 132));    // 32k x 4
+  EXPECT_TRUE(cuda_auto_bypass_l1(529, 132));
+  EXPECT_FALSE(cuda_auto_bypass_l1(528, 132));
+  EXPECT_FALSE(cuda_auto_bypass_l1(512, 132));    // 32k x 2
+  EXPECT_FALSE(cuda_auto_bypass_l1(256, 132));    // 4k x 1, 4k x 8, 32k x 1
+  EXPECT_FALSE(cuda_auto_bypass_l1(1 << 20, 0));  // no device reported
+  EXPECT_FALSE(cuda_auto_bypass_l1(1 << 20, -1));
 }
 
 }  // namespace

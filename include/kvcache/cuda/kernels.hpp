@@ -106,6 +106,11 @@ struct attend_params {
   /// ahead each warp asks L2 for (prefetch, no registers held), 0..4; 0: none. The caches use
   /// cuda_auto_prefetch_steps; `BM_cuda_attend/.../prefetch:N` measures it (cuda/README.md).
   std::uint32_t prefetch_steps = 0;
+  /// attend_tc without prefetch (prefetch_steps 0; ignored otherwise): its key and value loads
+  /// skip L1 (ld.global.L1::no_allocate). Either way, those loads ask L2 for the whole 256 bytes
+  /// around each address. The caches use cuda_auto_bypass_l1; `BM_cuda_attend/.../l1:N`
+  /// measures it (cuda/README.md).
+  bool bypass_l1 = false;
   /// Splits per segment: grid bound, fixed so a captured graph stays valid as sequences grow;
   /// must cover the longest sequence: max_splits * split_tokens >= tokens of any segment.
   std::uint32_t max_splits[2] = {1, 1};
@@ -152,6 +157,17 @@ struct attend_params {
                                                                int multiprocessors) noexcept {
   const std::size_t wave = 3 * static_cast<std::size_t>(multiprocessors < 0 ? 0 : multiprocessors);
   return split_tokens >= 256 && blocks <= wave ? 1u : 0u;
+}
+
+/// attend_params::bypass_l1 for a launch of `blocks` blocks (cuda_attend_blocks) on
+/// `multiprocessors` SMs: true past one wave of 4 blocks per SM (the f16 tensor-core kernel's
+/// occupancy without prefetch), else false; what the caches' attend() uses. Measured on an H200
+/// (session 58, f16 contiguous and paged, prefetch 0, 1024-token splits; us, four runs with it, six
+/// without): 1024 blocks (32k x 4) 148.1-150.8 with it against 152.3-155.3 without; 2048 (32k x 8)
+/// 289.0-290.6 against 294.2-297.6 (paged 283.7-287.6 against 291.3-294.9); but 512 blocks (32k x
+/// 2) 85.5-86.5 against 80.4-80.8, and 256 of 128-token splits (4k x 1) 19.6-19.8 against 19.0-19.2.
+[[nodiscard]] constexpr bool cuda_auto_bypass_l1(std::size_t blocks, int multiprocessors) noexcept {
+  return multiprocessors > 0 && blocks > 4 * static_cast<std::size_t>(multiprocessors);
 }
 
 /// Workspace bytes attend needs: batch * q_heads * (max_splits[0] + max_splits[1]) partial states.
