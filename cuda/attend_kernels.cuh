@@ -772,7 +772,7 @@ constexpr unsigned tc_min_blocks(std::uint32_t ahead) { return ahead == 0 ? 4u :
 /// of its later ones into L2, so that DRAM is asked for whole rows (H200, session 58: 1.01-1.07x
 /// at every shape measured), and with BYPASS it skips L1 (attend_params::bypass_l1). With
 /// prefetch, plain loads: the prefetch already asked for the lines, and the hint made those
-/// launches 4-6 % slower (session 58).
+/// launches 4-7 % slower (session 58).
 template <std::uint32_t AHEAD, bool BYPASS>
 __device__ __forceinline__ uint4 load_kv16(const std::byte* p) {
 #if defined(__CUDA_ARCH__)
