@@ -55,7 +55,8 @@ struct cuda_attend_options {
   std::size_t max_tokens = 0;
   /// attend_params::prefetch_steps (0..4: how many 16-token steps ahead each warp of the f16
   /// tensor-core kernel asks L2 for), or empty: cuda_auto_prefetch_steps of the call's split and
-  /// grid. Only the speed changes: every value gives the same bytes.
+  /// grid. Only the speed changes: every value gives the same bytes. (attend_params::bypass_l1
+  /// has no option here: the caches always take cuda_auto_bypass_l1 of the grid.)
   std::optional<std::uint32_t> prefetch_steps;
 };
 
