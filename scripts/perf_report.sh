@@ -11,8 +11,10 @@
 # the L3 Google Benchmark reports, or glibc's where it finds none, at least 128 MiB; on a VM with
 # 480 MiB of L3: f16 60 layers at 4k and 8 at 32k, two-tier Q4 192 and 24) and each step reads the
 # next layer, so that every figure is of K+V read from memory, as in an engine's decode loop
-# (bench_attend.cpp, layers_for); the BM_read baseline reads as many bytes (256 MiB at least), from
-# huge pages, as attention does (bench_common.hpp: stream_bytes, buffer). Last, the same step over
+# (bench_attend.cpp, layers_for), each cache read once by a step over every layer before any step
+# is timed (first_step: a cache just filled reads slower the first time); the BM_read baseline
+# reads as many bytes (256 MiB at least), from huge pages, as attention does (bench_common.hpp:
+# stream_bytes, buffer). Last, the same step over
 # one 4k layer kept in the L3 (BM_attend_cached): attention's speed without memory's, against the 4k
 # rows from memory.
 #
