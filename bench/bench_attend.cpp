@@ -145,8 +145,8 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
   return true;
 }
 
-// One decode step over every layer of `views` (1 thread): what an engine's first step after
-// prefill does. A cache just filled reads slower the first time than ever after, and every set is
+// One decode step over each of `views` (a sequence's view of a layer each; 1 thread): what an
+// engine's first step after prefill does. A cache just filled reads slower the first time than ever after, and every set is
 // built with it (add_filled), so that the benchmarks time the steps of a decode loop, which reads
 // each layer once a step for as long as the sequence lives. Measured on the Zen 5 VM (session 59;
 // a throwaway program: passes of one step over every layer of a cache just filled as here): a
@@ -470,7 +470,8 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
 // and seven of 1024, as many sequences as 4 tasks for each of 2 workers), contiguous f16, paged f16
 // (16-token blocks) or two-tier Q4, each sequence its own query row. A batch not a multiple of the
 // thread count, or of unequal lengths, is where whole-sequence tasks leave a worker idle (attend
-// cuts a batch into runs of kv heads, or paged views into token parts): compare t:2 with t:1. Bytes processed: the K+V bytes of all views.
+// cuts a batch into runs of kv heads, or paged views into token parts): compare t:2 with t:1. Bytes
+// processed: the K+V bytes of all views. The caches are filled, read once (first_step), then timed.
 template <class C>
 void attend_batch(benchmark::State& state, C& cache, isa which, const std::vector<std::size_t>& lengths, unsigned threads) {
   const bench::isa_scope scope(which);
@@ -483,6 +484,7 @@ void attend_batch(benchmark::State& state, C& cache, isa which, const std::vecto
     views.push_back(*v);
     bytes += view_bytes(*v);
   }
+  if (!first_step(views)) return state.SkipWithError("first decode step failed");
   if (!decode_steps(state, views, threads)) return;
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));  // decode steps of the batch
