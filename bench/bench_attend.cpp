@@ -146,19 +146,19 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
 }
 
 // One decode step over each of `views` (a sequence's view of a layer each; 1 thread): what an
-// engine's first step after prefill does. A cache just filled reads slower the first time than ever after, and every set is
-// built with it (add_filled), so that the benchmarks time the steps of a decode loop, which reads
-// each layer once a step for as long as the sequence lives. Measured on the Zen 5 VM (session 59;
-// a throwaway program: passes of one step over every layer of a cache just filled as here): a
-// two-tier cache of 26 layers at 32k tokens (1 GiB of Q4) 627 tokens/s in the first pass against
-// 934-956 in the 19 after it with 2 threads, 355 against 478-530 with 1 (3 s of sleep between the
-// fill and the first pass: 673 against 842-886); contiguous f16 (8 layers, 1 GiB) 285 against
-// 321-335 with 2 threads. The first pass took no page fault (getrusage) and the store lay on huge
-// pages before and after it; a read of one word in every 4 KiB page of the store (26-38 ms)
-// made the first pass as fast as the later ones, one word in every 2 MiB page (8.5 us each) did
-// not: a state of each 4 KiB page that the first read after the writes sets, below the guest.
-// Without this step the report's random interleaving, which rebuilds BM_attend_paired's set for
-// every repetition, timed mostly such first reads (about 35 rounds a repetition against 26
+// engine's first step after prefill does. A cache just filled reads slower the first time than ever
+// after, and every set is built with it (add_filled), so that the benchmarks time the steps of a
+// decode loop, which reads each layer once a step for as long as the sequence lives. Measured on
+// the Zen 5 VM (session 59; a throwaway program: passes of one step over every layer of a cache
+// just filled as here): a two-tier cache of 26 layers at 32k tokens (1 GiB of Q4) 627 tokens/s in
+// the first pass against 934-956 in the 19 after it with 2 threads, 355 against 478-530 with 1 (3 s
+// of sleep between the fill and the first pass: 673 against 842-886); contiguous f16 (8 layers, 1
+// GiB) 285 against 321-335 with 2 threads. The first pass took no page fault (getrusage) and the
+// store lay on huge pages before and after it; a read of one word in every 4 KiB page of the store
+// (26-38 ms) made the first pass as fast as the later ones, one word in every 2 MiB page (8.5 us
+// each) did not: a state of each 4 KiB page that the first read after the writes sets, below the
+// guest. Without this step the report's random interleaving, which rebuilds BM_attend_paired's set
+// for every repetition, timed mostly such first reads (about 35 rounds a repetition against 26
 // two-tier layers): two-tier / f16 at 32k with 2 threads in its repetitions 1.62-2.19 rebuilt
 // without the step, 1.77-2.94 with it (alternating processes; session 58 saw 1.83-1.97 in the
 // report against 2.21-2.46 with only BM_attend_paired run).

@@ -760,11 +760,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-/// Blocks of attend_tc an SM must hold: cuda_tc_blocks_per_sm (4) without prefetch (128
-/// registers at head_dim 128, 52 bytes spilled; 3 blocks at its natural 154), for grids past one
-/// wave of 3 blocks per SM; with prefetch, the natural count, for grids within that wave (cuda_auto_prefetch_steps). On an H200
-/// (session 43) 4 blocks made 32k tokens x 8 sequences 12 % faster without prefetch (304-308
-/// against 344-353 us), slower with it (364-396 us), and the one-wave shapes 2-4 % slower.
+/// Blocks of attend_tc an SM must hold: cuda_tc_blocks_per_sm (4) without prefetch (128 registers
+/// at head_dim 128, 52 bytes spilled; 3 blocks at its natural 154), for grids past one wave of 3
+/// blocks per SM; with prefetch, the natural count, for grids within that wave
+/// (cuda_auto_prefetch_steps). On an H200 (session 43) 4 blocks made 32k tokens x 8 sequences 12 %
+/// faster without prefetch (304-308 against 344-353 us), slower with it (364-396 us), and the
+/// one-wave shapes 2-4 % slower.
 constexpr unsigned tc_min_blocks(std::uint32_t ahead) { return ahead == 0 ? cuda_tc_blocks_per_sm : 1u; }
 
 /// attend_tc's 16-byte loads of keys and values. Without prefetch (AHEAD 0) each asks L2 for the

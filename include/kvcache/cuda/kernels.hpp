@@ -166,11 +166,12 @@ inline constexpr unsigned cuda_tc_blocks_per_sm = 4;
 
 /// attend_params::bypass_l1 for a launch of `blocks` blocks (cuda_attend_blocks) on
 /// `multiprocessors` SMs: true past one wave of cuda_tc_blocks_per_sm blocks per SM (the f16
-/// tensor-core kernel's occupancy without prefetch), else false; what the caches' attend() uses. Measured on an H200
-/// (session 58, f16 contiguous and paged, prefetch 0, 1024-token splits; us, four runs with it, six
-/// without): 1024 blocks (32k x 4) 148.1-150.8 with it against 152.3-155.3 without; 2048 (32k x 8)
-/// 289.0-290.6 against 294.2-297.6 (paged 283.7-287.6 against 291.3-294.9); but 512 blocks (32k x
-/// 2) 85.5-86.5 against 80.4-80.8, and 256 of 128-token splits (4k x 1) 19.6-19.8 against 19.0-19.2.
+/// tensor-core kernel's occupancy without prefetch), else false; what the caches' attend() uses.
+/// Measured on an H200 (session 58, f16 contiguous and paged, prefetch 0, 1024-token splits; us,
+/// four runs with it, six without): 1024 blocks (32k x 4) 148.1-150.8 with it against 152.3-155.3
+/// without; 2048 (32k x 8) 289.0-290.6 against 294.2-297.6 (paged 283.7-287.6 against 291.3-294.9);
+/// but 512 blocks (32k x 2) 85.5-86.5 against 80.4-80.8, and 256 of 128-token splits (4k x 1)
+/// 19.6-19.8 against 19.0-19.2.
 [[nodiscard]] constexpr bool cuda_auto_bypass_l1(std::size_t blocks, int multiprocessors) noexcept {
   return multiprocessors > 0 && blocks > cuda_tc_blocks_per_sm * static_cast<std::size_t>(multiprocessors);
 }
