@@ -117,29 +117,41 @@ std::optional<layer_view> filled_view(C& cache, std::size_t tokens) {
   return views->front();
 }
 
+// What a decode step of `seqs` sequences on `threads` workers needs: their query rows (random,
+// the same seed everywhere), the output rows, the parameters and a workspace reserved for them
+// (reserved: whether that succeeded).
+struct step_inputs {
+  std::vector<float> q, out;
+  attention_params p;
+  attention_workspace ws;
+  bool reserved;
+  step_inputs(std::size_t seqs, unsigned threads)
+      : q(seqs * q_heads * head_dim), out(q.size()), p{q_heads, kv_heads, head_dim, 0.0f, threads, {}} {
+    bench::fill_normal(q.data(), q.size(), 1.0f, 7);
+    reserved = static_cast<bool>(ws.reserve(p));
+  }
+};
+
 // Decode steps of attend over `views` (one query row each, threads workers) for as long as the
 // state runs, step i over the views of layer i % layers (views: [layer][sequence]); false where
 // the workspace or a step failed (the state then carries the error).
 bool decode_steps(benchmark::State& state, std::span<const layer_view> views, unsigned threads,
                   std::size_t layers = 1) {
   const std::size_t seqs = views.size() / layers;
-  std::vector<float> q(seqs * q_heads * head_dim), out(q.size());
-  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
-  attention_workspace ws;
-  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
-  if (!ws.reserve(p)) {
+  step_inputs in(seqs, threads);
+  if (!in.reserved) {
     state.SkipWithError("workspace");
     return false;
   }
   std::size_t layer = 0;
   for (auto _ : state) {
-    const result<void> r = attend(p, views.subspan(layer * seqs, seqs), q, out, ws);
+    const result<void> r = attend(in.p, views.subspan(layer * seqs, seqs), in.q, in.out, in.ws);
     layer = layer + 1 == layers ? 0 : layer + 1;
     if (!r) {
       state.SkipWithError(r.error().message.c_str());
       return false;
     }
-    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(in.out.data());
     benchmark::ClobberMemory();
   }
   return true;
@@ -163,13 +175,10 @@ bool decode_steps(benchmark::State& state, std::span<const layer_view> views, un
 // without the step, 1.77-2.94 with it (alternating processes; session 58 saw 1.83-1.97 in the
 // report against 2.21-2.46 with only BM_attend_paired run).
 bool first_step(std::span<const layer_view> views) {
-  std::vector<float> q(q_heads * head_dim), out(q.size());
-  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
-  attention_workspace ws;
-  const attention_params p{q_heads, kv_heads, head_dim, 0.0f, 1, {}};
-  if (!ws.reserve(p)) return false;
+  step_inputs in(1, 1);
+  if (!in.reserved) return false;
   for (const layer_view& v : views)
-    if (!attend(p, std::span(&v, 1), q, out, ws)) return false;
+    if (!attend(in.p, std::span(&v, 1), in.q, in.out, in.ws)) return false;
   return true;
 }
 
@@ -418,11 +427,8 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
                   [&] { return make_two_tier(two_tier_layers_for(tokens)); });
   if (!held.error.empty()) return state.SkipWithError(held.error.c_str());
   const std::vector<layer_view>* views = held.views.data();
-  std::vector<float> q(q_heads * head_dim), out(q.size());
-  bench::fill_normal(q.data(), q.size(), 1.0f, 7);
-  attention_workspace ws;
-  attention_params p{q_heads, kv_heads, head_dim, 0.0f, threads, {}};
-  if (!ws.reserve(p)) return state.SkipWithError("workspace");
+  step_inputs in(1, threads);
+  if (!in.reserved) return state.SkipWithError("workspace");
   const bench::buffer& read = bench::read_buffer();
   if (!read) return state.SkipWithError("allocation failed");
   const std::size_t f16_bytes = view_bytes(views[0].front());
@@ -441,8 +447,8 @@ void attend_paired(benchmark::State& state, isa which, std::size_t tokens, unsig
         continue;
       }
       const auto t0 = std::chrono::steady_clock::now();
-      const result<void> r = attend(p, std::span(&views[c][round % views[c].size()], 1), q, out, ws);
-      benchmark::DoNotOptimize(out.data());
+      const result<void> r = attend(in.p, std::span(&views[c][round % views[c].size()], 1), in.q, in.out, in.ws);
+      benchmark::DoNotOptimize(in.out.data());
       benchmark::ClobberMemory();
       seconds[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!r) {
