@@ -84,6 +84,21 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
   return 2 * gd + round_up64(static_cast<std::size_t>(group) * max_tile) + 2 * round_up64(group);
 }
 
+// Floats left unused after each worker's scratch (64 KiB), so that no two workers write within
+// 64 KiB of each other: the scratch is written all through a step (scores, accumulators), and
+// workers side by side in memory slowed each other. Measured on the Zen 5 VM (session 60; 8 kv
+// heads x 128, 32 queries, f16, 2 threads; in-process alternation of the layouts over the same
+// cache, a throwaway switch, medians of 8 to 12 rounds): paged (16-token blocks) at 4k over 64
+// layers 1.06-1.13x with the 64 KiB gap in five runs of six (1.00x in the other), 1.04x with 16
+// KiB, 1.07x with 32, 1.05x and 1.09x with 128 and 256; at 32k 1.02x; contiguous 1.00-1.02x; 1
+// thread 1.00x (one worker). Per-task timing had found the worker whose scratch lay second
+// slower over paged blocks (6-27 % in 10 of 12 runs of one 4k layer); with 2 vCPUs on separate
+// cores and L3s, a likely cause is one core's prefetchers pulling in lines the other writes (not
+// verified: the VM has no hardware counters). A gap of 4 KiB, or the second worker's scratch
+// placed elsewhere within its page, did not help; the value segments (segments, [worker][tile])
+// with a gap of their own measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker.
+constexpr std::size_t worker_gap_floats = 16384;
+
 // Most workers (threads, or a pool's workers) and floats of a token's query row (q_heads x
 // head_dim) validate_params accepts.
 constexpr unsigned max_workers = 65536;
@@ -188,7 +203,7 @@ struct call {
   float* partial;        // [sequence][part][kv head][partial_floats], when parts > 1
   float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
   float* scratch;
-  std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats
+  std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats + worker_gap_floats
   std::size_t head_floats;    // floats of one head's state (worker_floats)
   // accumulate_segments of the table's ISA (attend_avx512 or attend_avx2) where it has one and
   // handles this shape (else null).
@@ -1410,8 +1425,8 @@ result<void> attention_workspace::reserve(const attention_params& p) {
     if (!impl_) return fail(errc::out_of_memory, "attend: workspace");
   }
   const unsigned workers = workers_of(p);
-  // Room for every kv head of a sequence per worker (a task holds at most that many).
-  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads;
+  // Room for every kv head of a sequence per worker (a task holds at most that many), and the gap.
+  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads + worker_gap_floats;
   impl& w = *impl_;
   KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers, "attend: workspace scratch"));
   KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
@@ -1482,7 +1497,8 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
-               ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt, worker_floats(group, p.head_dim),
+               ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt + worker_gap_floats,
+               worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get(), split.target != 0, split.run_target};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
