@@ -84,19 +84,22 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
   return 2 * gd + round_up64(static_cast<std::size_t>(group) * max_tile) + 2 * round_up64(group);
 }
 
-// Floats left unused after each worker's scratch (64 KiB), so that no two workers write within
-// 64 KiB of each other: the scratch is written all through a step (scores, accumulators), and
-// workers side by side in memory slowed each other. Measured on the Zen 5 VM (session 60; 8 kv
-// heads x 128, 32 queries, f16, 2 threads; in-process alternation of the layouts over the same
-// cache, a throwaway switch, medians of 8 to 12 rounds): paged (16-token blocks) at 4k over 64
-// layers 1.06-1.13x with the 64 KiB gap in five runs of six (1.00x in the other), 1.04x with 16
-// KiB, 1.07x with 32, 1.05x and 1.09x with 128 and 256; at 32k 1.02x; contiguous 1.00-1.02x; 1
-// thread 1.00x (one worker). Per-task timing had found the worker whose scratch lay second
-// slower over paged blocks (6-27 % in 10 of 12 runs of one 4k layer); with 2 vCPUs on separate
-// cores and L3s, a likely cause is one core's prefetchers pulling in lines the other writes (not
-// verified: the VM has no hardware counters). A gap of 4 KiB, or the second worker's scratch
-// placed elsewhere within its page, did not help; the value segments (segments, [worker][tile])
-// with a gap of their own measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker.
+// Floats left unused after each worker's scratch (64 KiB), so that no two workers write within 64
+// KiB of each other: the scratch is written all through a step (scores, accumulators), and workers
+// side by side in memory slowed each other. Measured on the Zen 5 VM (session 60; 8 kv heads x 128,
+// 32 queries, f16, 2 threads; in-process alternation of the layouts over the same cache, a
+// throwaway switch, medians of 8 to 12 rounds): paged (16-token blocks) at 4k over 64 layers
+// 1.06-1.13x with the 64 KiB gap in six runs of seven (1.00x in the other), 1.04x with 16 KiB,
+// 1.07x with 32, 1.05x and 1.09x with 128 and 256; at 32k 1.02x (two runs); contiguous 1.00-1.02x;
+// 1 thread 1.00x (one worker). The library before and after in alternating processes, 2 threads:
+// paged / contiguous at 4k 0.82-0.85 before, 0.84-0.88 after; at 32k 0.73-0.75 and 0.81-0.83
+// (64-token blocks 0.80-0.86 and 1.00-1.06). Per-task timing had found the worker whose scratch lay
+// second slower over paged blocks (6-27 % in 10 of 12 runs of one 4k layer; with the gap one worker
+// still ran slower in some runs, either one); with 2 vCPUs on separate cores and L3s, a likely
+// cause is one core's prefetchers pulling in lines the other writes (not verified: the VM has no
+// hardware counters). A gap of 4 KiB, or the second worker's scratch placed elsewhere within its
+// page, did not help; the value segments (segments, [worker][tile]) with a gap of their own
+// measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker.
 constexpr std::size_t worker_gap_floats = 16384;
 
 // Most workers (threads, or a pool's workers) and floats of a token's query row (q_heads x
