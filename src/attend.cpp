@@ -99,7 +99,7 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
 // cause is one core's prefetchers pulling in lines the other writes (not verified: the VM has no
 // hardware counters). A gap of 4 KiB, or the second worker's scratch placed elsewhere within its
 // page, did not help; the value segments (segments, [worker][tile]) with a gap of their own
-// measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker.
+// measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker past the first.
 constexpr std::size_t worker_gap_floats = 16384;
 
 // Most workers (threads, or a pool's workers) and floats of a token's query row (q_heads x
@@ -1428,10 +1428,11 @@ result<void> attention_workspace::reserve(const attention_params& p) {
     if (!impl_) return fail(errc::out_of_memory, "attend: workspace");
   }
   const unsigned workers = workers_of(p);
-  // Room for every kv head of a sequence per worker (a task holds at most that many), and the gap.
+  // Room for every kv head of a sequence per worker (a task holds at most that many), and the gap
+  // between one worker's and the next's (none after the last: one worker has none).
   const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads + worker_gap_floats;
   impl& w = *impl_;
-  KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers, "attend: workspace scratch"));
+  KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers - worker_gap_floats, "attend: workspace scratch"));
   KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
                    "attend: workspace segments"));
   // Split sequences: parts * sequences partial results, at most max_parts.

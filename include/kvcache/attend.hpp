@@ -70,9 +70,9 @@ class attention_workspace {
   [[nodiscard]] result<void> reserve(const attention_params& p);
 
   /// Bytes of scratch currently allocated: per worker, its heads' states (about 8 KiB a kv head
-  /// at 4 queries a kv head and head_dim 128) and a 64 KiB gap that keeps workers from writing
-  /// near each other; plus each worker's list of value segments (4 KiB) and the split sequences'
-  /// partial results and bounds.
+  /// at 4 queries a kv head and head_dim 128), with a 64 KiB gap between one worker's and the
+  /// next's that keeps workers from writing near each other; plus each worker's list of value
+  /// segments (4 KiB) and the split sequences' partial results and bounds.
   [[nodiscard]] std::size_t scratch_bytes() const noexcept;
 
   struct impl;  ///< internal (src/attend.cpp)
