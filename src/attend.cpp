@@ -102,6 +102,11 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
 // measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker past the first.
 constexpr std::size_t worker_gap_floats = 16384;
 
+// Floats from one worker's scratch to the next's, for tasks of `heads` kv heads.
+std::size_t worker_stride(std::uint32_t group, std::uint32_t head_dim, std::uint32_t heads) {
+  return worker_floats(group, head_dim) * heads + worker_gap_floats;
+}
+
 // Most workers (threads, or a pool's workers) and floats of a token's query row (q_heads x
 // head_dim) validate_params accepts.
 constexpr unsigned max_workers = 65536;
@@ -206,7 +211,7 @@ struct call {
   float* partial;        // [sequence][part][kv head][partial_floats], when parts > 1
   float scale_log2;  // scale * log2(e): scores are kept in the base-2 domain
   float* scratch;
-  std::size_t worker_stride;  // floats per worker: heads_per_task * head_floats + worker_gap_floats
+  std::size_t worker_stride;  // floats per worker: worker_stride() of heads_per_task heads
   std::size_t head_floats;    // floats of one head's state (worker_floats)
   // accumulate_segments of the table's ISA (attend_avx512 or attend_avx2) where it has one and
   // handles this shape (else null).
@@ -1430,7 +1435,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   const unsigned workers = workers_of(p);
   // Room for every kv head of a sequence per worker (a task holds at most that many), and the gap
   // between one worker's and the next's (none after the last: one worker has none).
-  const std::size_t per = worker_floats(p.q_heads / p.kv_heads, p.head_dim) * p.kv_heads + worker_gap_floats;
+  const std::size_t per = worker_stride(p.q_heads / p.kv_heads, p.head_dim, p.kv_heads);
   impl& w = *impl_;
   KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers - worker_gap_floats, "attend: workspace scratch"));
   KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
@@ -1501,8 +1506,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
 #endif
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
-               ws.impl_->scratch.get(), worker_floats(group, p.head_dim) * hpt + worker_gap_floats,
-               worker_floats(group, p.head_dim),
+               ws.impl_->scratch.get(), worker_stride(group, p.head_dim, hpt), worker_floats(group, p.head_dim),
                fused_values, ws.impl_->segments.get(), split.target != 0, split.run_target};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
