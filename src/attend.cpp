@@ -34,26 +34,18 @@ constexpr float log2e = 1.4426950408889634f;
 // L1 between the score pass, the softmax step and the value pass). A multiple of the Q4 group
 // (32). Each tile costs every head of it an online-softmax step (a pass over its accumulators when
 // the maximum grows) and a load and store of its accumulators in the value pass, whatever its
-// length: measured on Zen 4 (AVX-512, 8 kv heads x 128, in-process alternation, 41 rounds), 128-
-// token tiles rather than 32 made a decode step 1.08-1.09x faster at 32k tokens with 1 thread for
-// a contiguous f16 cache and 1.06-1.08x for a paged one (16-token blocks), 1.11x / 1.09x with 8
-// queries per kv head, 1.08-1.11x at 4k; with 2 threads (bandwidth-bound) 1.00-1.03x. On AVX2,
-// contiguous 1.07x and paged the same. Two-tier Q4 groups are tiles of their own (attend_q4).
-// Fewer queries per kv head, against the tiles before (128 / group, the stream 32 tokens ahead;
-// old and new library in alternating processes): 1 query, whose tiles were 128 already, paged
-// 1.27x faster (the stream distance, below), contiguous the same; 2 queries (64-token tiles
-// before) 0.97-1.0x, where 64-token tiles measured 1.0-1.04x of 128 in-process: within noise,
-// not worth a tile per group. Since session 56 the tiles are 256 tokens up to head_dim 128
-// (head_tile), and a task that reads all heads together (paged blocks) takes all_heads_tile.
+// length, so long tiles pay it less often: on Zen 4, 128-token tiles rather than 32 made a decode
+// step 1.06-1.09x faster at 32k tokens with 1 thread (1.00-1.03x with 2, bandwidth-bound). A tile
+// length per query group (128 / group) measured within noise and was not kept. Two-tier Q4 groups
+// are tiles of their own (attend_q4). A task that reads a view head by head takes head_tile, one
+// that reads all heads together (paged blocks) all_heads_tile.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", max_tile)
 constexpr std::uint32_t max_tile = 256;
 
 // Tokens per tile of a task that reads a view head by head, at most: 256 up to head_dim 128, 128
-// above. Session 56, Zen 5 VM (AVX-512, contiguous f16, 8 kv heads, 32 queries; in-process
-// alternation of 256- and 128-token tiles over the same cache, medians of 20 to 30 rounds, speed
-// of 256 over 128): at 32k tokens over 8 layers (1 GiB, from memory) 1.00-1.02x with 1 thread,
-// 1.06-1.08x with 2; at 4k over 8 layers 1.09x and 1.05x; at 4k of one layer (in L3) 1.06x; AVX2
-// 1.02x at 32k and 1.03x at 4k; head_dim 64 1.01x; 1 query and 8 queries a kv head 1.02x and
-// 1.01x; but head_dim 256 (16k) 0.98x, which keeps 128.
+// above. On the Zen 5 VM (contiguous f16) 256-token tiles measured 1.00-1.09x as fast as 128, but
+// 0.98x at head_dim 256, which keeps 128.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", head_tile)
 std::uint32_t head_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 128, max_tile); }
 
 // Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
@@ -86,20 +78,11 @@ std::size_t worker_floats(std::uint32_t group, std::uint32_t head_dim) {
 
 // Floats left unused after each worker's scratch (64 KiB), so that no two workers write within 64
 // KiB of each other: the scratch is written all through a step (scores, accumulators), and workers
-// side by side in memory slowed each other. Measured on the Zen 5 VM (session 60; 8 kv heads x 128,
-// 32 queries, f16, 2 threads; in-process alternation of the layouts over the same cache, a
-// throwaway switch, medians of 8 to 12 rounds): paged (16-token blocks) at 4k over 64 layers
-// 1.06-1.13x with the 64 KiB gap in six runs of seven (1.00x in the other), 1.04x with 16 KiB,
-// 1.07x with 32, 1.05x and 1.09x with 128 and 256; at 32k 1.02x (two runs); contiguous 1.00-1.02x;
-// 1 thread 1.00x (one worker). The library before and after in alternating processes, 2 threads:
-// paged / contiguous at 4k 0.82-0.85 before, 0.84-0.88 after; at 32k 0.73-0.75 and 0.81-0.83
-// (64-token blocks 0.80-0.86 and 1.00-1.06). Per-task timing had found the worker whose scratch lay
-// second slower over paged blocks (6-27 % in 10 of 12 runs of one 4k layer; with the gap one worker
-// still ran slower in some runs, either one); with 2 vCPUs on separate cores and L3s, a likely
-// cause is one core's prefetchers pulling in lines the other writes (not verified: the VM has no
-// hardware counters). A gap of 4 KiB, or the second worker's scratch placed elsewhere within its
-// page, did not help; the value segments (segments, [worker][tile]) with a gap of their own
-// measured 1.00-1.02x and keep none. Cost: 64 KiB of memory a worker past the first.
+// side by side in memory slowed each other (a likely cause, not verified: one core's prefetchers
+// pulling in lines the other writes). On the Zen 5 VM with 2 threads the 64 KiB gap made paged steps
+// (16-token blocks, 4k tokens) 1.06-1.13x faster in six runs of seven; gaps of 4 to 256 KiB gained
+// no more, and the value segments keep none. Cost: 64 KiB of memory a worker past the first.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", worker_gap_floats)
 constexpr std::size_t worker_gap_floats = 16384;
 
 // Floats from one worker's scratch to the next's, for tasks of `heads` kv heads.
@@ -249,40 +232,23 @@ head_state state_of(float* base, std::uint32_t g, std::uint32_t hd, std::uint32_
 // Small chunks (paged blocks, two-tier store groups across slabs) can lie scattered, where the hardware
 // prefetchers lose the stream at every chunk: the chunk some prefetch_tokens ahead is prefetched
 // in software (to L2, to L1 on Zen 5: see row_prefetch.inl), at the rate the kernels read: each
-// kernel call takes as many lines of the stream as it reads itself, and spreads them over its rows. Measured on
-// Zen 4 at 32k tokens (a synthetic read of 16-token f16 blocks, 8 heads x 128, in this order, with
-// the FMAs of attention): lines issued at exactly the read rate kept the blocks at 0.93 to 0.98 of
-// a contiguous stream's bandwidth, shuffled or in order; 1.25 times that rate 0.84, 1.5 to 1.75
-// times (the stream this replaced: shares of a chunk spread over its score calls only, the rest in
-// a burst) 0.6 to 0.7, and 0.75 times 0.68. Requests that run ahead of the reads queue the demand
-// loads behind them; requests that fall behind leave misses uncovered (at 0.5 to 0.75 times the
-// rate, attend over 16-token paged blocks ran at 0.6 of the speed with no prefetch at all: the
-// queue falls behind the reads and its requests are for lines being read). In attend itself the gain
-// was smaller than in the synthetic read: paged f16 at 32k ran 1.05x faster with 2 threads
-// (180-184 -> 188-193 tokens/s, interleaved perf_report runs) and the same within noise with 1
-// (118-122 before and after), where the kernels' own time, not the stream, is what paged adds to
-// contiguous (at 4k, from cache, paged runs at 0.83-0.9 of contiguous too). Large chunks (a
-// contiguous cache) need no such stream: their kernels prefetch the rows that follow their own
-// (next_rows, ahead_rows). The hardware alone does not stream them on the Zen 5 VM (session 60:
-// with no software prefetch at all, a contiguous cache's steps ran at 0.52x at 32k, 1 thread).
-// The distance goes with the tile: the stream runs chunk by chunk, keys then values, where a
-// tile reads all its chunks' keys before their values. With 128-token tiles over 16-token blocks
-// (1 thread, 32k, in-process alternation against 32-token tiles 32 tokens ahead), 64 tokens ahead
-// ran 1.06-1.08x faster, 80 1.06x, 48 0.90x and 32 0.76x: too short a distance leaves the tile's
-// later keys unfetched while the stream is still on earlier values. Fused Q4 tiles (two groups)
-// prefetch the next tile instead (run_heads).
-// The stream takes chunks whose heads hold up to prefetch_limit bytes of keys: up to 32 KB since
-// session 33 (16 KB before), measured on the Zen 5 VM at 32k tokens, 8 kv heads, 32 queries, 1
-// thread (process alternation, 4 rounds): paged f32 with 64-token blocks (now read all heads
-// together) 1.14-1.30x, f32 128-token blocks at head_dim 64 (head by head, the stream in place of
-// the next rows) 1.10-1.18x; f16 64-token blocks at head_dim 256 (now read all heads together)
-// and f16 128-token blocks at 128 (the stream in place of the next rows) the same within noise
-// (0.92-1.06x).
-// That was with 128-token tiles, which a task reading all heads together no longer uses: those
-// tasks' tiles are all_heads_tile long and their stream runs half a tile ahead (see there); 64
-// tokens stays the distance of tasks that read head by head (large paged blocks: one chunk ahead).
-// Since session 47 a task that reads all heads together (two kv heads or more) prefetches
-// otherwise: by phase in session 47, a piece ahead since session 48 (piece_ahead, at run_heads).
+// kernel call takes as many lines of the stream as it reads itself, and spreads them over its rows.
+// Requests that run ahead of the reads queue the demand loads behind them; requests that fall behind
+// leave misses uncovered (in a synthetic read on Zen 4, the exact read rate kept 16-token blocks at
+// 0.93-0.98 of a contiguous stream's bandwidth, other rates at 0.6-0.84). Large chunks (a contiguous
+// cache) need no such stream: their kernels prefetch the rows that follow their own (next_rows,
+// ahead_rows), which the hardware alone does not stream on the Zen 5 VM.
+// The distance goes with the tile: the stream runs chunk by chunk, keys then values, where a tile
+// reads all its chunks' keys before their values, and too short a distance leaves the tile's later
+// keys unfetched while the stream is still on earlier values (128-token tiles over 16-token blocks:
+// 64 tokens ahead 1.06-1.08x, 32 ahead 0.76x, against 32-token tiles 32 ahead). Fused Q4 tiles (two
+// groups) prefetch the next tile instead (run_heads).
+// The stream takes chunks whose heads hold up to prefetch_limit bytes of keys (32 KB rather than 16
+// made 64-token f32 blocks 1.14-1.30x faster on the Zen 5 VM). 64 tokens is the distance of tasks
+// that read head by head (large paged blocks: one chunk ahead); a task that reads all heads together
+// runs its stream half a tile ahead (all_heads_tile) with one kv head, and with two or more
+// prefetches a piece ahead instead (piece_ahead, at run_heads).
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", prefetch_tokens)
 constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
@@ -290,39 +256,12 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 // of 16 to 64 tokens, see head_by_head), a multiple of 32 from 32 to 128: with the prefetch
 // a piece ahead (two kv heads or more: `pieced`), tile x head_dim = 16384 elements (128 tokens up
 // to head_dim 128, 64 at 256); with the stream half a tile ahead (one kv head), 8192 (128 tokens
-// at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35 (below).
-// Session 56, Zen 5 VM (AVX-512, 8 kv heads x 128, 32 queries, 16-token blocks; in-process
-// alternation of the two tile lengths over the same paged cache, medians of 20 to 40 rounds,
-// speed of 128-token tiles over 64): at 32k tokens over 8 layers (1 GiB, from memory) 1.04-1.05x
-// with 1 thread (four runs), 1.04-1.08x with 2; at 4k over 8 layers 1.05x and 1.06-1.19x; at 4k
-// of one layer (in L3) 1.04-1.08x and 1.15x; AVX2 1.02x and 1.09x; f32 (16k) 1.04x; 8 queries
-// 1.05x, 1 query 1.00x (1 thread) and 1.02x (2); 32- and 64-token blocks 1.02x and 1.03x; head_dim
-// 256 (16k), 64-token tiles over 32, 1.06x and 1.14x. 256-token tiles over 128: 1.03x at 32k,
-// 0.995x at 4k (1 thread): not taken.
-// Session 35's choice (8192 elements for every task, then with the prefetch stream half a tile
-// ahead; prefetched by phase in session 47, where 128-token tiles at head_dim 128 ran 0.91-0.92x
-// and 32-token 0.975-0.98x as fast as 64 on the Intel VM; a piece ahead since session 48, where
-// 128-token tiles ran as fast as 64 from memory, 1.02x from L2), on the Zen 5 VM, AVX-512, 8 kv
-// heads, 32 queries, 16-token blocks, 1 thread, in-process alternation of paged and contiguous
-// steps (medians of 10 to 14 rounds, ratio paged / contiguous), against 128-token tiles 64
-// tokens ahead (the setting of every head_dim before):
-//   f16, head_dim 128, at 32k tokens: 64-token tiles 32 ahead 0.905-0.936 against 0.851-0.882
-//     (48 ahead 0.888-0.914, 32-token tiles 0.917, the stream in the reads' own order 32 KB
-//     ahead 0.876-0.895); with 2 threads 0.946-0.950 against 0.905-0.917 where the VM gave
-//     contiguous about 350 tokens/s, but 0.645-0.722 against 0.689-0.726 where it gave 510-560
-//     (70-75 GB/s, a mode it switches to and from), in which no setting tried brought paged near
-//     contiguous (the stream in the reads' own order 96 KB ahead 0.715-0.755); with 64 queries
-//     0.911 against 0.876; 32- and 64-token blocks 0.965 and 0.936 against 0.902 and 0.903;
-//   the same at 4k tokens over 8 layers, each step the next layer's (128 MB: streamed from
-//     memory, as in an engine): 0.931-0.937 against 0.854-0.890;
-//   but at 4k tokens of 1 layer (16 MB, in L3 between steps): 0.856-0.877 against 0.902-0.913:
-//     short tiles cost more where the rows come from cache. Engines stream every layer from
-//     memory, so the memory case sets the tile;
-//   head_dim 256 (f16, 16k): 32-token tiles 16 ahead 0.850, 64 / 32 0.790, 128 / 64 0.748;
-//   head_dim 64 (f16, 32k): 128 / 64 0.870-0.887, 64 / 32 0.826-0.837;
-//   f32, head_dim 128 (16k): 0.868-0.884 and 0.799-0.884: the same within noise;
-//   AVX2 (f16, head_dim 128): 0.945 against 0.916 at 32k, 0.935 against 0.915 at 4k over 8 layers.
-// Longest of those tiles: 256 measured 1.03x at 32k but 0.995x at 4k (above).
+// at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35, where shorter tiles brought paged
+// steps nearer contiguous ones with the rows streamed from memory (as an engine streams every
+// layer) though they cost more from cache. Pieced, 128-token tiles measured 1.04-1.08x as fast as 64
+// at 32k tokens from memory on the Zen 5 VM (16-token blocks, head_dim 128); 256 measured 1.03x at
+// 32k but 0.995x at 4k, and was not taken.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", all_heads_tile)
 constexpr std::uint32_t max_all_heads_tile = 128;
 static_assert(max_all_heads_tile <= max_tile);
 std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
@@ -539,10 +478,10 @@ std::size_t key_lines(const call& c, const chunk& ch, std::uint32_t ha, std::uin
 
 // score_chunk for kv heads [ha, hb) of a dense chunk in one kernel call (a paged block read all
 // heads together, whose heads' states lie head_floats apart), where heads_in_one_call: one call per
-// block rather than one per head, whose set-up cost as much as a fifth of a 16-token call.
-// Measured on Zen 5 (paged f16, 16-token blocks, in-process alternation with per-head calls,
-// 80-600 rounds): 1.00-1.08x at 32k and 4k tokens, 1 and 2 threads (median about 1.03x). The
-// kernel prefetches region `next` while it runs.
+// block rather than one per head, whose set-up cost as much as a fifth of a 16-token call (median
+// about 1.03x faster on Zen 5, paged f16, 16-token blocks). The kernel prefetches region `next`
+// while it runs.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", score_heads)
 void score_heads(const call& c, const chunk& ch, std::uint32_t ha, std::uint32_t hb, std::uint32_t off, std::uint32_t n,
                  const float* qf, float* s, kernels::prefetch_region next) {
   const kernels::table& kt = *c.kt;
@@ -713,19 +652,9 @@ struct pass_ends {
 // 64-token blocks); the value call of head h head h + lead's values; the last lead value calls
 // the next tile's first block's keys, a part each. (With one block a tile this is session 47's
 // prefetch by phase: a block's keys prefetch all its values, the value pass the next keys.)
-// Session 48, Intel VM (family 6 model 167, AVX-512), f16, 8 kv heads x 128, 32 queries, 32k
-// tokens, 1 thread unless said; a paged cache's steps alone, against session 47's library
-// (prefetch by phase, whose 16-token blocks had each score call prefetch its block's values,
-// read after the tile's other keys: every line about one phase, 128 KiB, ahead), the two in
-// alternating processes, 3 rounds of medians of 10 rounds of 8 layers (/tmp throwaway):
-// 16-token blocks 1.09-1.16x, 32-token 1.11-1.14x, 64-token 1.03-1.09x; head_dim 64 1.10-1.12x,
-// 256 1.09-1.14x; 4 kv heads 1.06-1.09x, 2 kv heads (the stream before) 0.99-1.01x; f32
-// 1.15-1.22x; 2 threads 1.07-1.09x; AVX2 1.02-1.04x; 4k tokens over 60 layers 1.14-1.19x; from
-// cache (1k tokens, one layer) 0.95-1.05x. (With the value kernels' rows_held, row_prefetch.inl,
-// which made contiguous steps 1.07-1.10x faster at 32k.) Farther was worse: by phase with every
-// prefetch moved 2 or 4 blocks later in the task's order 0.89x and 0.85x; and 128-token tiles by
-// phase 0.91-0.92x (lines go into L2, of 2 MiB: not for want of room; why, this VM's lack of
-// hardware counters leaves open).
+// Against prefetch by phase, a piece ahead measured 1.09-1.16x faster with 16-token blocks on the
+// Intel VM (f16, 32k tokens, 1 thread); prefetching farther ahead was slower.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", piece_ahead)
 constexpr std::uint32_t piece_ahead = 0;
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
                cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
@@ -769,20 +698,16 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // scores, softmax step and values of all the head's queries over both groups. The step
         // prefetches the group read two groups later as it reads its own, line for line
         // (q4_group_ref::ahead_k, ahead_v; why, and what it measured: q4_int8_avx512.inl).
-        // Two groups further ran at 0.98x. Runs of 16 groups a call against one tile a call
-        // (session 36, Zen 5, process alternation, two-tier at 32k tokens; the per-call overhead
-        // of run_heads and the table entry): 1.02-1.05x with 1 thread, 1.05-1.09x with 2 (with
-        // the unrolled first pass of q4_int8_avx512.inl), 1.02x on AVX2. Runs of 8 measured
-        // within noise of 16, runs of 4 0.98-0.99x of 8. Session 31 had measured four groups a
-        // call at 1.017x with 1 thread but 0.93x with 2 (BM_attend_paired). (This VM's hardware
-        // prefetchers do not follow the step's reads: without software prefetch, attend ran at
-        // 0.32x.)
+        // Runs of 16 groups a call rather than one tile a call save the per-call overhead of
+        // run_heads and the table entry: 1.02-1.09x faster on Zen 5 (two-tier, 32k tokens); runs
+        // of 8 measured within noise of 16.
         // A run is q4_run groups, and with several heads (a two-tier store, run_task) as many
         // more as lie one after the other in memory (follows), head after head: every head's
         // groups of one slab in turn (slabs of q4_run groups or more), which reads the slab's rows
         // of this layer as one stream. The kernel gets them q4_run at a time and pairs them into
         // tiles; a run of several heads holds an even number of groups (but at the range's end),
         // so that the pairs, and with them every head's sums, are those of the head read alone.
+        // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", run_heads)
         kernels::q4_group_ref gr[q4_run];
         std::uint32_t n = 1;
         while (ci + n < end && is_q4_group(view.chunks[ci + n]) &&
@@ -920,10 +845,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 // two-tier cache, whose Q4 store run_task then reads slab by slab, all heads together, and its
 // tail head by head: store_end). Small chunks with their heads side by
 // side (paged blocks of 16 to 64 tokens) are read all heads together, so that each chunk is one
-// stream. 64-token blocks were read head by head until session 33 (measured on Zen 4 then: 0.78 of
-// contiguous all heads together, 0.96 head by head); on the Zen 5 VM since, at 32k tokens (f16, 8
-// kv heads x 128, 32 queries, process alternation), all heads together ran 1.20x faster with 1
-// thread (0.76 -> 0.92 of contiguous) and 1.14x with 2.
+// stream: for 64-token blocks (read head by head until session 33) this measured 1.20x faster with
+// 1 thread and 1.14x with 2 on the Zen 5 VM (f16, 32k tokens).
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", head_by_head)
 bool head_by_head(const layer_view& view, std::uint32_t hd) {
   if (view.count <= 1) return true;
   const std::uint32_t average = view.tokens / view.count;
@@ -956,16 +880,10 @@ bool empty_part(const call& c, std::size_t seq, std::uint32_t part) {
 // groups of one slab, head after head (run_heads), so that a decode step reads each slab's rows of
 // the layer (slab layout [layer][kv_head][slot], two_tier_cache.hpp) in address order, where head
 // by head it jumped from slab to slab (about 110 KiB a run with the default 22-group slabs of 24
-// layers of 8 x 128). Measured on the Intel VM of session 46 (in-process alternation of decode
-// steps over 24 layers of a two-tier cache at 32k tokens, 1 thread): head by head ran 1.08-1.09x
-// slower with the default slabs than with slabs of the whole sequence (1024 groups), linearly in
-// the number of slabs (about 7 us a slab); slab by slab it ran 1.09x faster than head by head, as
-// fast as whole-sequence slabs. A synthetic of the same layout (/tmp throwaway: 5 KiB groups, 4
-// FMAs a line, each line's twin two groups ahead prefetched into L2) read 13.6 GB/s slab by slab
-// and 12.9 head by head; in runs of 16 groups cut at slab ends, 13.4 (in attend 1.015x). In
-// BM_attend (two process alternations) 1.05-1.07x at 4k and 32k tokens, 1 and 2 threads. The FP16
-// tail stays head by head: with it read all heads together in tiles as well, a 4k step with 2
-// threads ran 0.91x as fast as before (1.07x without a tail).
+// layers of 8 x 128), at a cost that grew with the number of slabs. Slab by slab measured 1.09x
+// faster than head by head on the Intel VM (32k tokens, 1 thread). The FP16 tail stays head by
+// head: read all heads together in tiles as well, a 4k step with 2 threads ran 0.91x as fast.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", store_end)
 cursor store_end(const call& c, const layer_view& view, cursor b, cursor e) {
   if (c.kt->attend_q4 == nullptr || b.off != 0) return b;
   std::uint32_t q = b.ci;
@@ -1120,24 +1038,21 @@ constexpr std::size_t tasks_per_worker = 4;
 // worker gets a task.
 // A batch (at least as many sequences as workers) is cut finer too, tasks_per_worker tasks a
 // worker at least: whole sequences left a batch of 3 on 2 workers, or of ragged lengths, waiting
-// for the worker with the most tokens. Views read head by head (contiguous and two-tier caches:
-// each head is a stream of its own, or a two-tier store's slab rows one after the other) into runs
-// of kv heads, which changes no sum; paged blocks,
-// read all heads together, into token parts (a split by heads would read half blocks: 0.56-0.69x
-// for one sequence on 2 workers), as many as reserve()'s partial results hold. Measured on Zen 5
-// (2 threads, 8 kv x 128, in-process alternation with whole sequences): contiguous 3 x 8k tokens
-// 1.05-1.22x, lengths 12k, 2k, 3k, 1k 1.17-1.24x; two-tier 3 x 8k 1.12x; paged 3 x 8k
-// 1.07-1.13x, 12k, 2k, 3k, 1k 1.12-1.16x, and 2 x 16k (balanced already) 0.98-1.00x.
+// for the worker with the most tokens (cut finer, 1.05-1.24x faster on Zen 5 with 2 threads).
+// Views read head by head (contiguous and two-tier caches: each head is a stream of its own, or a
+// two-tier store's slab rows one after the other) into runs of kv heads, which changes no sum;
+// paged blocks, read all heads together, into token parts (a split by heads would read half
+// blocks: 0.56-0.69x for one sequence on 2 workers), as many as reserve()'s partial results hold.
 // Each sequence of a batch is cut by its own length (runs of heads, or parts, of about a
 // sequence's share of those tasks each; heads_per_run, parts_of), the longest first: with as
 // many tasks for every sequence, a batch of 4 tasks a worker or more stayed whole sequences, and
-// one long among short ones waited for the worker that had it (16k + 7 x 1k tokens on 2 workers,
-// process alternation, BM_attend_batch: paged 1.15x, two-tier 1.23x, contiguous 1.07x).
+// one long among short ones waited for the worker that had it (16k + 7 x 1k tokens on 2 workers).
 // Long sequences are split guided: for w workers a sequence, w parts of a quarter of its tokens
 // each, then w of an eighth, then 2 w of a sixteenth (levels 3; fewer where the smallest would
 // fall under min_guided_tokens), handed out largest first. Workers that run at different speeds
 // (the vCPUs of a shared machine, cores of two kinds) then end within one small part of each
 // other, where equal parts made the step wait for the slowest worker's whole share.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", task_split)
 struct task_split {
   std::uint32_t parts = 1, heads_per_task = 0, workers_per_seq = 1, levels = 0;
   // A paged batch's tokens a part (0: every sequence is cut into `parts` parts): a sequence of n
@@ -1223,14 +1138,9 @@ namespace {
 // (worker_floats is a whole number of lines), so that the kernels' 64-byte loads and stores of a
 // worker's accumulators, folded queries and scores never straddle two lines. Until session 51 they
 // came from new[], aligned to 16 bytes only (a large block starts 16 bytes into a page; a small
-// one wherever the heap had room), so the scratch's alignment changed from program to program.
-// Measured on the Zen 5 VM (8 kv heads x 128, 32 queries, f16; old and new library in alternating
-// processes, the old one's scratch 16 bytes into a page): decode attention at 32k tokens with 2
-// threads 1.09-1.16x faster aligned (contiguous) and 1.05-1.09x (paged, 16-token blocks), with 1
-// thread 1.02-1.25x (noisy) and 0.99-1.05x; aligned to 64 bytes and then offset by 16, as slow as
-// before.
-// In BM_attend_paired (6 alternations, medians): AVX2 1.04-1.11x contiguous, 1.08-1.15x paged;
-// AVX-512 paged 1.06x at 4k with 2 threads, the rest 0.91-1.00x (within this VM's noise).
+// one wherever the heap had room), so the scratch's alignment changed from program to program;
+// aligned, decode attention at 32k tokens with 2 threads measured 1.05-1.16x faster on the Zen 5 VM.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", aligned_delete)
 struct aligned_delete {
   template <class T>
   void operator()(T* p) const noexcept {

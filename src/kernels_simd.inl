@@ -236,9 +236,9 @@ void quantize_keys16(const half* src, std::size_t stride, unsigned tokens, const
 
 // The rows are read twice: once front to back for the channel ranges (key_range_vecs at a time,
 // so a 128-channel head is one sweep on AVX-512), then per 16 channels for the codes, from L1.
-// Before (session 41), the ranges took one sweep per 16 channels (32 bytes of each row at the
-// row stride, one dependency chain per accumulator): on Cascade Lake 39 % of the time sat on
-// that loop's load (bench/PERFORMANCE.md).
+// Before, one sweep per 16 channels took the ranges (32 bytes of each row at the row stride, one
+// dependency chain per accumulator): on Cascade Lake 39 % of the time sat on that loop's load.
+// (measurements: bench/PERFORMANCE.md, "Source notes: kernels_simd.inl", quantize_keys)
 void quantize_keys(const half* src, std::size_t src_stride, std::uint32_t tokens,
                    std::uint32_t head_dim, std::uint8_t* dst) {
   if (tokens == 0) return;

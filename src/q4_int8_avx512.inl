@@ -22,9 +22,8 @@
 // fused step (attend_q4) takes two groups as one softmax tile, their weights on one grid (the
 // maxima over both groups' tokens) and so their integer sums in the same accumulators: the
 // softmax step's reductions, the value columns' bases and the float epilogue once per 64 tokens.
-// On cached groups that measured 1.12-1.15x faster, in attend at 32k 1.07-1.08x (medians of 40
-// paired rounds, 1 and 2 threads). The
-// codes enter centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
+// On cached groups that measured 1.12-1.15x faster, in attend at 32k 1.07-1.08x. The codes enter
+// centred, v = s (c - 8) + (m + 8 s), so a weight's rounding error (at most step / 2)
 // is multiplied by |c - 8| <= 8, not by c; sum_t p_t (m_t + 8 s_t) stays in float. (The layout
 // has no power-of-two condition on the block count any more: one column's set-up is the same at
 // any head_dim, and at head_dim <= 32 the int8 step is faster than the float one too.)
@@ -36,131 +35,33 @@
 // against the four tokens' u8 weights broadcast as a dword. Scales and minimums are contiguous
 // halves: over channels for keys, over the group's tokens per column for values.
 //
-// Measured on Zen 4 (resident groups, head_dim 128, 4 queries): vpdpbusd shares its two pipes with
-// float multiplies and FMAs (not with adds, maxima, shuffles, ternary logic), and its latency is 4
-// cycles; the two dot-product loops are half of the fused step's time, the rest is set-up whose
-// horizontal reductions sit on the critical path. Hence: the sums of Y on integer adds, the
-// weights as u * us without a pass over p, the scores handed over in registers, the value
-// columns' scales prepared while the keys wait for their maxima, and the prefetch bookkeeping
-// kept to one check per two or four rows (it was a fifth of the instructions). Both dot-product
-// loops are functions of their own (key_dots, value_columns_of): inlined into the set-up, GCC 12
-// kept their accumulators in memory, a load and a store around every vpdpbusd (the fused step
-// measured 1.4x slower so).
+// The fused step is shaped by where its time goes. On Zen 4 and Zen 5, vpdpbusd shares its two pipes
+// with float multiplies and FMAs (not with integer adds, logic or maxima); on Zen 4 the two
+// dot-product loops were half of the step's time, the rest set-up whose horizontal reductions sit
+// on the critical path. Hence: the sums of Y on integer adds, the weights as u * us without a pass
+// over p, the scores handed over in registers, the value columns' scales prepared while the keys
+// wait for their maxima, and the prefetch bookkeeping kept to one check per two or four rows. Both
+// dot-product loops are functions of their own (key_dots, value_columns_of): inlined into the
+// set-up, GCC 12 kept their accumulators in memory, a load and a store around every vpdpbusd (the
+// fused step 1.4x slower). Over a cache streamed from memory the step's compute and the stream of
+// its bytes take about as long as each other: the set-up's time adds to the stream's, the dot
+// products' hides in it. Tiles of four groups, and tiles pipelined within one call, were not kept:
+// their compute gain did not survive the stream.
 //
-// Measured on Zen 5 (session 30; GCC 12; cached groups, head_dim 128, 4 queries, two-group tiles,
-// about 320 ns = 1330 cycles a tile): vpdpbusd issues up to 2 a cycle, on two pipes it shares with
-// float multiplies, FMAs and vpermt2b (not with integer adds, logic, maxima or broadcasts from
-// memory); store-to-load forwarding of the weights and folded queries (a vector store, then dword
-// broadcasts from it) works (9-11 cycles). Knocked out one at a time, the tile without any dot
-// product takes 113 ns, the key dots add 80 and the value dots 140 (the value loop alone runs at 2
-// vpdpbusd a cycle; doubling either adds 78 and 98 ns), against a bound of about 740 cycles a tile
-// on those two pipes. A pipelined run of tiles in one call (the next tile's scores placed between a
-// tile's value weights and its value dots) measured 1.03x on cached groups and 1.00x streamed: at
-// function granularity the out-of-order window does not reach across phases, and it was not kept;
-// nor were both groups' key dots in one call with the value dots' two column pairs in one call
-// (1.02x cached, 0.99x streamed, medians of 10 alternations). Groups in L1 or L2 run alike;
-// streamed from memory (8 heads x 1024 groups, one head after the other, with the prefetch stream)
-// the step ran at 0.86-0.90 of its speed on groups in L2, 0.92-0.97 of its speed on groups in L3.
-// This file built by Clang 14 ran the step 1.07-1.10x faster then (the dot-product phases; the
-// set-up alone the same; since, GCC's build has gained more: in single runs of session 37,
-// Clang's ran the step on cached groups at 0.91x of GCC's and attend over a two-tier cache at 32k
-// at 0.87x); no GCC 12 option tried changed it (-mtune=znver3, -fschedule-insns with
-// -fsched-pressure, -fno-schedule-insns2, -fno-tree-slp-vectorize, -funroll-loops, IRA options).
-// What GCC 12 does differently (session 31): in value_columns_of<4, 2, 2, true> the loop over the
-// second group's token quads copies 12 of its 16 accumulators between registers every pass and keeps
-// the other 4 in stack slots (39 register copies in the function; Clang's has none). The first
-// group's loop is clean. One loop over both groups' quads, one quad a pass, "=v" with "0" in place of
-// "+v", the intrinsic in place of the assembly, and -fira-region=one|all, -fira-algorithm=priority,
-// -fira-loop-pressure, -fno-ivopts, -fno-move-loop-invariants all kept the copies. An out-of-line
-// loop per group, its accumulators through memory, had no copies but ran the step 1.19x slower
-// (318 -> 378 ns a tile, cached). In session 32, with the line-for-line prefetch below, the
-// loop over the groups not unrolled, or the 16 accumulators pinned to zmm16..zmm31 (explicit
-// register variables: no copies left), ran the step 1.03x faster on cached groups but attend at
-// 32k 0.96-0.98x (1 thread, process alternation); neither was kept. The copies are not the
-// bound: sampled by perf (cpu-clock), a tile spends about 63 ns in key_dots (its 512 vpdpbusd at
-// two a cycle: 62 ns), 87 ns in value_columns_of with its epilogue, and 155 ns in the set-up.
-// Four groups a tile (session 31) was also tried. The keys were scored as two pairs, with one
-// softmax step and one weight grid over all four groups, and run_heads handed four groups a call.
-// With 1 thread at 32k this ran 1.08x in BM_attend (6 process alternations), where part of the
-// store stays in L3 between steps. It ran 0.95x in BM_attend_paired, where every step streams
-// from memory. Prefetching into L2 gave 0.93x there, and eight groups a call 0.88x. It was not
-// kept: the tile's compute gain does not survive the stream.
-// Prefetch (session 32): the fused step prefetches the next call's groups itself, line for line:
-// with each line of a group it loads, the line at the same offset of the group's ahead group
-// (q4_group_ref, struct mirror below), so that every line goes out one tile before it is read
-// and in the order it is read. Before, attend handed over the next tile's lines as one region in
-// address order, spread over the step's rows (most of them in the set-up), while the step reads
-// a tile in another order (both groups' key scales and minimums, the value scales, the key codes,
-// then the value codes column pair by column pair): lines read early in a tile went out late in
-// the one before. A synthetic stream on this Zen 5 VM (10 KB tiles from memory, about 290 ns of
-// FMAs a tile, each line prefetched one tile ahead) shows it: read in address order, the tiles
-// ran as fast as cached ones (293 against 290 ns); read in the step's order, 350-356 ns; with the
-// prefetches issued in the step's order too, 307-313 ns. Prefetching two tiles ahead helped
-// neither order. Measured (process alternation, medians of 6): attend over a two-tier cache at
-// 32k with 1 thread 1.11x (614 -> 679 tokens/s), at 4k 1.06x; BM_attend_paired two-tier / f16
-// 1.12x with 1 thread, 0.99x with 2; BM_attend_step's stream against l2 from 0.82 to 0.92 of its
-// speed. The next call's next groups (two tiles ahead) instead: 0.98x.
-// Session 37 (process alternation, 6 rounds, attend over a two-tier cache at 32k and 4k tokens, 1
-// thread; figures at 32k): every one of these prefetches is needed, and none earlier or twice.
-// Without the value codes' 0.55x, without those and the key codes' 0.41x, without the value scales'
-// 0.74x; the value codes into L2 (_MM_HINT_T1) 0.76x; the ahead groups' value codes from the first
-// pass instead (four lines a chunk) 0.77x, one line a chunk of them there and the rest as now
-// 0.97x; beside every prefetch a second one into L2 of the group two tiles ahead 0.91x. At 32k the
-// step reads the store at about 29 GB/s, 0.8 of BM_read with 1 thread, and on cached groups
-// (BM_attend_step, l2: 211 M tokens/s, 304 ns a tile) it runs only 1.17x as fast as in attend (684
-// tokens/s x 8 heads x 32k): the step's compute and the stream of its bytes take about as long as
-// each other. Tiles of four groups (the keys scored as two pairs, one softmax step and one weight
-// grid over the four, each group prefetching the one four later) measured 0.96x.
-//
-// Measured on Intel Cascade Lake (session 40; a VM with 2 vCPUs at 2.5 GHz, family 6 model 85: VNNI
-// but no VBMI, so the build of kernels_avx512vnni_novbmi.cpp; BM_read about 10 GB/s a core): a
-// two-group tile takes 0.94-0.97 us on cached groups (BM_attend_step/.../l2/g:2: 66-68 M tokens/s,
-// about 3x Zen 5's cycles), 1.4-1.5 us streamed, so attend over a two-tier cache at 32k is bound by
-// both: 0.62-0.72 of BM_read, 2.1-2.3x an f16 cache's speed (the float Q4 kernels: 1.43x). Sampled
-// by perf (cpu-clock), the step's time is 43 % set-up (flat: no instruction above 2.5 % of it), 33 %
-// value dots, 22 % key dots (about one vpdpbusd a cycle). On these cores every software prefetch
-// holds a line fill buffer until its line arrives, as a load does; prefetcht1 holds it for less
-// than prefetcht0 and measured 1.06x (medians of 8 process alternations): the step's prefetches
-// go to L2 on Intel (mirror, below). The int8 kernels on 256-bit vectors (q4_int8_avx2.inl on the EVEX
-// vpdpbusd) ran the step at 28 M tokens/s cached and attend 1.7x slower: not used.
-//
-// On session 44's Intel VM (family 6 model 167, with AMX) a tile's 1024 vpdpbusd (0.53 ns each)
-// and the rest of it (438 ns with the dot products knocked out) each nearly fill its 550 ns on
-// cached groups, but streamed the knock-out ran only 1.1x faster: attend over a two-tier cache is
-// bound there by the stream of the store (0.6 of BM_read), not by these loops. The dot products
-// on AMX-INT8 tiles (same integers, bit-identical) ran the step 0.78-0.80x as fast: tiles load
-// from memory, so every group's codes went through vector stores and every result through a tile
-// store, and each such chain (about 30 ns) waits for the last. bench/PERFORMANCE.md (session 44).
-// Session 49, the same VM: streamed, the two-group tile took about 1.7x its time on cached groups
-// (BM_attend_step /stream against /l2), and its set-up, key dots and value dots kept their shares
-// of the time (perf, cpu-clock): the whole step slows alike, no phase waits alone. Not kept, each
-// against this code in alternating processes (attend over a two-tier cache at 32k, 1 thread): the
-// ahead groups prefetched in address order rather than line for line (0.92-0.97x; two tiles ahead
-// 0.98-1.05x), their lines spread over the set-up passes (0.94-1.05x), into L1 (0.78-0.85x), into
-// L1 and two tiles ahead into L2 as well (0.95-0.98x), and the group's scales and minimums laid
-// before its codes so that the step reads it in address order (1.00-1.06x, layout changed in this
-// step alone). bench/PERFORMANCE.md (session 49).
-// Session 50, the same VM: the pull into L1 (pull_part). The step's line-for-line prefetch puts a
-// tile's lines in L2 one tile ahead, and the dot products then loaded them from L2, each load
-// taking one of the core's few L1 fill buffers, beside the next tile's prefetches that hold theirs
-// for a trip to memory (about 185 ns here; a stream of software prefetches to lines in no
-// hardware prefetcher's pattern runs at 4-5 GB/s on this VM, every line in such a trip). Now the
-// first pass also prefetches the tile's key and value codes into L1, a part with each chunk of 16
-// channels, and before the value pass the next tile's scales and minimums, which its first pass
-// reads first: from L2 each holds a buffer for an L2 round trip only, and the dot products' loads
-// are L1 hits. Measured (old and new library in alternating processes, attend over a two-tier
-// cache, 8 kv heads, 32 queries): head_dim 128 at 32k 0.95-1.14x with 1 thread (median 1.08; the
-// codes alone 1.00-1.08x), 1.06-1.14x with 2, at 4k 0.98-1.11x; head_dim 64 1.06-1.09x;
-// BM_attend_step on cached groups 1.05-1.08x, streamed 1.06-1.10x; head_dim 96 (the general
-// step) 0.99-1.08x. Heads of 64 to 128 channels pull: with the pull the step ran 0.91-0.94x at
-// 256 channels (two groups' codes are 16 KB there) and about 0.95x at 32. Also measured and not
-// kept: the value codes pulled in the second pass, the next tile's key codes pulled with its
-// scales (the same within noise, or slower: bench/PERFORMANCE.md); the key dots on the raw code
-// bytes and their high nibbles (one vpand a quad fewer, the low nibbles' sums by subtraction:
-// 1.00x streamed); the value codes of a column pair interleaved row by row and the scales laid
-// before the codes (both in this step alone: 1.01x and 1.03x, not worth a format change). A
-// second copy of the first pass (about 6 % more compute on cached groups) made the streamed step
-// 4-6 % slower: the set-up's time adds to the stream's, the dot products' hides in it.
+// Prefetch: the fused step prefetches the next call's groups itself, line for line: with each line
+// of a group it loads, the line at the same offset of the group's ahead group (q4_group_ref, struct
+// mirror below), so that every line goes out one tile before it is read and in the order it is
+// read (attend over a two-tier cache at 32k, 1 thread, Zen 5: 1.11x against the next tile's lines
+// handed over as one region in address order); every one of these prefetches is needed, and none
+// earlier or twice. Where they go to L2 (Intel: mirror), heads of 64 to 128 channels also pull
+// lines from L2 into L1 (pull_part): the first pass pulls the tile's key and value codes, a part
+// with each chunk of 16 channels, and before the value pass the next tile's scales and minimums,
+// which its first pass reads first, so that the dot products' loads are L1 hits (median 1.08x at
+// head_dim 128, 32k, 1 thread, on an Intel VM; at 32 and 256 channels the pull was slower).
+// Not used: the int8 kernels on 256-bit vectors (q4_int8_avx2.inl; attend 1.7x slower on Cascade
+// Lake), nor the dot products on AMX-INT8 tiles (0.78-0.80x: tiles load from memory, so every
+// group's codes went through vector stores and every result through a tile store).
+// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", file header)
 namespace {
 
 #include "q4_int8.inl"
@@ -210,11 +111,9 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 // group has none (the line just loaded: an L1 hit). Into L1 where prefetch_to_l1 (Zen 5 and later:
 // into L2 measured 0.76x there, the value codes'), else into L2 (prefetcht1): on Intel cores every
 // software prefetch holds a line fill buffer until its line arrives, as a load does, and one that
-// fills only L2 holds it for less. Measured into L2 against L1, BM_attend over a two-tier cache at
-// 32k with 1 thread (the store streamed from memory): on the Cascade Lake VM (session 40, the
-// build without VBMI; 8 process alternations) median 6.04 ms against 6.39, best 5.47 against 6.10;
-// on session 42's Intel VM (VBMI, AMX; 3 alternations) 3.54-3.88 ms against 4.49-4.82 (1.24x),
-// prefetcht2 the same as prefetcht1. The choice is one predictable branch a line.
+// fills only L2 holds it for less (attend over a two-tier cache at 32k, 1 thread: 1.24x against
+// L1 on an Intel VM). The choice is one predictable branch a line.
+// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", mirror)
 struct mirror {
   std::uintptr_t d = 0;
   bool l1 = false;
@@ -227,7 +126,7 @@ inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
           prefetch_to_l1};
 }
 
-// The fused step's pull into L1 (this file's header, session 50): part k of `parts` of the
+// The fused step's pull into L1 (this file's header): part k of `parts` of the
 // `lines` 64-byte lines from p (at head_dim 64 and 128 the groups' regions are whole lines; at
 // other sizes a region's last bytes may lie in a line left out), into L1 (prefetch_line). Those
 // lines are in L2 by then (prefetched a tile earlier), and reading them from L1 makes the dot
@@ -325,12 +224,13 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 // groups together, so that one group's chain of dependent steps (pass 1, the maxima's tree, the
 // division, pass 2) runs beside the other's, and the query's channels are loaded once for both
 // (two groups as one tile: 1.03x the fused step on cached groups against one group after the
-// other, in-process alternation, session 16 on Zen 4).
+// other).
 // `between` runs after the first pass, where the horizontal maxima and the divisions that follow
 // leave the vector pipes idle: the caller's work that does not depend on the scores.
 // Each group's ahead group (gr[gi].ahead_k) is prefetched line for line as the group is read (see
 // attend_nq_hd); pf, the separate kernel's region, is spread over the key dots. HD: hd known at
 // compile time (0: not), see attend_nq.
+// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", scores_of)
 struct nothing {
   void operator()() const {}
 };
@@ -352,11 +252,9 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
     for (unsigned i = 0; i < 4; ++i) qmax[gi][i] = mterm[gi][i] = _mm512_setzero_ps();
   alignas(64) float folded[G][NQ][cached_channels];
   const bool cached = hd <= cached_channels;
-  // Unrolled (session 36, Zen 5, process alternation): attend over a two-tier cache at 32k, 1
-  // thread, 0.99-1.04x (head_dim 128), the step on cached groups 1.02-1.03x. Pass 2's loop
-  // unrolled too ran 0.96x (spills). The unroll applies to the general step (HD = 0) as well:
-  // head_dim 256 measured within noise; the loop unrolled for a known HD only (a lambda per
-  // chunk) lost the gain at 128.
+  // Unrolled, in the general step (HD = 0) as well: the step on cached groups 1.02-1.03x (Zen 5);
+  // pass 2's loop unrolled too ran slower (spills).
+  // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", scores_of: pass 1 unrolled)
 #pragma GCC unroll 8
   for (unsigned c = 0; c < hd; c += 16) {
     const unsigned n = hd - c < 16 ? hd - c : 16;
@@ -390,9 +288,9 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
   // zeros).
   // The inverses stay in registers, broadcast by a permute: through memory (a store, then a
   // broadcast load per query) they sat on the step's chain of maxima, division and pass 2
-  // (store forwarding): this way 1.04x on cached groups and 1.03x attend over a two-tier cache
-  // at 32k with 1 thread (Zen 5, process alternation). The scales, used off that chain, stay
-  // in memory (the same for the value weights' inverses: 0.98-1.01x).
+  // (store forwarding; 1.04x on cached groups this way). The scales, used off that chain, stay
+  // in memory.
+  // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", scores_of: the inverses)
   alignas(64) float scale[G][16];
   __m512 invv[G];
 #pragma GCC unroll 2
@@ -921,17 +819,11 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
 // The step for head_dim 128 (most models' head size) is compiled for it: its loops over channels
 // and channel quads of fixed length, unrolled where GCC sees fit, with no lane masks computed at
 // run time; other sizes take the general one. With full groups the value columns' loops over
-// token quads are fixed too (value_columns_of, Full). Measured on Zen 5 (process alternation of
-// the library before and after, 5 rounds, medians): the step on cached groups
-// (BM_attend_step/q4/avx512/nq:4/l2/g:2) 1.09-1.10x, streamed (/stream/g:2) 1.05-1.06x; attend
-// over a two-tier cache at 32k 1.06x with 1 and 2 threads, at 4k 1.04-1.05x. The
-// step's code for 128 is about 14 KB a (NQ, G) pair, the library's AVX-512 VNNI file 238 KB of
-// text against 164 KB before.
-// head_dim 64 (small models': Llama 3.2 1B) too, 287 KB of text with it: attend over a two-tier
-// cache (8 kv heads x 64, 32 queries; process alternation, 8 rounds, medians) 1.08x at 32k with 1
-// thread, 1.10x with 2, 1.12x at 4k. Not 256: its step measured 1.06x at 4k but 0.93x at 32k
-// (1 and 2 threads), where the stream of the store, not the step, sets the pace. (Nor the dense
-// scores at 64, scores_dense.inl: paged 1.03x at 4k but 0.91x at 32k, medians of 10 pairs.)
+// token quads are fixed too (value_columns_of, Full). On Zen 5: the step on cached groups
+// 1.09-1.10x, attend over a two-tier cache at 32k 1.06x, for about 14 KB of code a (NQ, G) pair.
+// head_dim 64 (small models': Llama 3.2 1B) too: attend 1.08x at 32k with 1 thread. Not 256: at
+// 32k the stream of the store, not the step, sets the pace (0.93x).
+// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", attend_nq)
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                line_prefetch& pf) {

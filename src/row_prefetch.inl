@@ -8,25 +8,16 @@
 // the same lines issued in one burst per call (or one line in 2..8) made it slower than none.
 //
 // The dense kernels' software prefetches are to L2 (locality 2: prefetcht1, prfm pldl2keep), not
-// to L1: measured on Zen 4 at 32k tokens (interleaved runs), prefetcht0 made decode attention 1.6
-// to 1.7 times slower for a contiguous f16 cache and 1.5 times for the two-tier Q4 one, on a day
-// of the shared VM with high memory latency (on a faster day, L2 and L1 measured the same). The
-// likely reason: prefetches into L1 hold its few miss buffers for the whole trip to memory, and the
-// demand loads of the rows being worked on wait behind them; from L2, the hardware's L1 prefetcher
-// and the out-of-order window cover the rest of the latency.
+// to L1: on Zen 4 at 32k tokens, on a day of high memory latency, prefetcht0 made decode attention
+// 1.5 to 1.7 times slower (on a faster day, L2 and L1 measured the same). The likely reason:
+// prefetches into L1 hold its few miss buffers for the whole trip to memory, and the demand loads
+// of the rows being worked on wait behind them; from L2, the hardware's L1 prefetcher and the
+// out-of-order window cover the rest of the latency.
 // On Zen 5 and later they are prefetcht0, into L1 (prefetch_to_l1, set in dispatch.cpp), as
-// the int8 Q4 stream's are there (q4_int8.inl). From session 25 to 28 they were prefetcht2 on Zen 5:
-// measured then at 32k tokens (f16, 8 kv heads x 128, 32 queries, in-process alternation of two
-// caches of one kind, 80 rounds, 4 runs each), prefetcht2 against prefetcht1 made a paged cache
-// (16-token blocks) 1.07-1.13x faster with 1 thread and 1.08-1.09x with 2, a contiguous one
-// 1.04-1.08x and 1.01-1.03x; prefetcht0 1.07-1.16x paged but 0.98-1.03x contiguous. On the Zen 5
-// VM of session 29 (whose memory read 62-67 GB/s with 2 threads, against about 38 before),
-// prefetcht0 against prefetcht2 measured: in BM_attend_paired at 32k with 1 thread (process
-// alternation, 5 rounds) paged 1.11x and contiguous 1.03x; in process, the caches flushed before
-// each step, paged 1.38x and contiguous 1.19x with 1 thread, 1.05x and 1.10x with 2, 1.00x and
-// 1.01x at 4k (from the caches); prefetchnta paged 1.05x, contiguous 1.03-1.04x; prefetcht1
-// against prefetcht2 1.00x. Which level wins has moved with the machine under this VM: measure
-// again where it matters.
+// the int8 Q4 stream's are there (q4_int8.inl): a paged cache at 32k with 1 thread ran 1.11x and
+// a contiguous one 1.03x against prefetcht2. Which level wins has moved with the machine under
+// this VM: measure again where it matters.
+// (measurements: bench/PERFORMANCE.md, "Source notes: row_prefetch.inl", row_prefetch)
 class row_prefetch {
  public:
   row_prefetch(kernels::prefetch_region r, unsigned rows) noexcept : more_(r.more), left_(r.more_count) {
@@ -38,16 +29,12 @@ class row_prefetch {
   }
   // The lines of `rows` rows of work, the cursor kept in the object from line to line. The score
   // kernels issue a tile's lines at once (4 rows' worth, 16 lines at head_dim 128 in f16) before
-  // its arithmetic; measured on the Intel VM (session 48, in-process alternation at 32k tokens, 1
-  // thread), the same loop with its cursor in registers (about half the instructions a line) made
-  // the score kernels' bursts of prefetches faster and a decode step slower: contiguous f16
-  // 0.82-0.83x, paged 0.93-0.95x. Likely (this VM has no hardware counters to show it): a
-  // prefetch of a line from memory holds a fill buffer until its line comes, and a faster burst
-  // of them queues the tile's own loads (which miss L1) behind them. (On Zen 5 and later, whose
-  // prefetches go to L1, the score kernels take rows_held instead: 1.01-1.07x there, session 55;
-  // see scores_dense_heads.) With the rows() before
-  // session 48 (one region, its end in a register, a store a line) in the value kernel,
-  // contiguous f16 steps ran 0.94-0.96x as fast as with this one there.
+  // its arithmetic; on an Intel VM, the same loop with its cursor in registers made their bursts of
+  // prefetches faster and a decode step slower (contiguous f16 0.82-0.83x). Likely: a prefetch of
+  // a line from memory holds a fill buffer until its line comes, and a faster burst of them queues
+  // the tile's own loads (which miss L1) behind them. (On Zen 5 and later, whose prefetches go to
+  // L1, the score kernels take rows_held instead; see scores_dense_heads.)
+  // (measurements: bench/PERFORMANCE.md, "Source notes: row_prefetch.inl", row_prefetch::rows)
   void rows(unsigned rows) noexcept {
     for (std::size_t n = per_row_ * rows; n > 0; --n, at_ += 64) {
       if (at_ >= end_ && !next()) return;
@@ -55,11 +42,11 @@ class row_prefetch {
     }
   }
   // rows() with the cursor in registers, for kernels that issue a row's few lines between rows of
-  // arithmetic (the value kernels: 2 lines a row at head_dim 128 in f16). Measured as above: a
-  // contiguous f16 cache 1.02-1.06x faster than with rows() there, paged blocks read a piece ahead
-  // (run_heads) 1.01-1.05x. The loop's shape counts on that machine: the same loop that also set
-  // the cursor to the end when the last piece ran out, without [[unlikely]] on the piece change,
-  // made paged steps 0.95-0.96x as fast.
+  // arithmetic (the value kernels: 2 lines a row at head_dim 128 in f16; a contiguous f16 cache
+  // 1.02-1.06x faster than with rows() there, on an Intel VM). Its shape counts: with the cursor
+  // also set to the end when the last piece ran out and no [[unlikely]] on the piece change, paged
+  // steps ran 0.95-0.96x as fast.
+  // (measurements: bench/PERFORMANCE.md, "Source notes: row_prefetch.inl", row_prefetch::rows_held)
   void rows_held(unsigned rows) noexcept {
     std::uintptr_t a = at_, e = end_;
     for (std::size_t n = per_row_ * rows; n > 0; --n, a += 64) {

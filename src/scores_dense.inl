@@ -144,9 +144,9 @@ void scores_of_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq
                      std::size_t out_head_stride, std::size_t out_stride, row_prefetch& pf) {
   const unsigned tile = score_token_tile<K>(head_dim);
   // head_dim 128 (most models') has its own code: the channel loops of fixed length, no tail. On
-  // Zen 5, AVX-512, process alternation of the library before and after (5 rounds, medians):
-  // attend at 4k 1.04x paged, 1.03-1.04x contiguous; at 32k paged 1.02x, contiguous within noise
-  // (it streams at the read bandwidth). The 512-bit file's text grew from 201 to 272 KB.
+  // Zen 5 attend ran 1.03-1.04x at 4k; at 32k it streams at the read bandwidth (paged 1.02x,
+  // contiguous within noise). The 512-bit file's text grew from 201 to 272 KB.
+  // (measurements: bench/PERFORMANCE.md, "Source notes: scores_dense.inl", scores_of_heads)
   for (std::uint32_t h = 0; h < heads; ++h)
     if (head_dim == 128)
       scores_head<128, Held, Inl>(q + h * q_head_stride, nq, k + h * k_head_stride, tokens, head_dim,
@@ -165,25 +165,16 @@ void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t
   // requests rather than a burst (see all_blocks in attend_avx512.cpp).
   row_prefetch pf(region, heads * tokens * score_passes(nq));
   // Each tile's lines go out with the cursor in registers (rows_held) where prefetches go to L1
-  // (Zen 5 and later), through rows() elsewhere. Session 55, Zen 5 VM, AVX-512, f16, 8 kv heads x
-  // 128, 32 queries, 32k tokens over 8 layers; in-process alternation of the two (a throwaway
-  // switch, 60 rounds of 3 steps of each layer, 3 runs, medians): contiguous 1.02-1.07x with 1
-  // thread and 1.01-1.04x with 2, paged (16-token blocks) 1.04-1.05x and 1.02-1.05x. On the Intel
-  // VM of session 48 rows_held here measured 0.82-0.83x (contiguous) and 0.93-0.95x (paged): see
-  // row_prefetch::rows. Issuing the lines unrolled by 4 where they all lie in one piece (no
-  // bounds check a line) measured 0.97-1.02x of rows_held on Zen 5: not kept.
+  // (Zen 5 and later: f16 at 32k tokens, contiguous 1.02-1.07x with 1 thread, paged 1.04-1.05x),
+  // through rows() elsewhere (on an Intel VM rows_held here ran 0.82-0.95x: see row_prefetch::rows).
   // A call over several heads (a paged block read all heads together, 16 tokens a head) has the
   // score tile inlined into its loop over tokens: the tile is otherwise a call every 4 tokens (at 4
-  // queries a kv head), whose set-up and return the short blocks pay 4 times a head. Session 57,
-  // Zen 5 VM, GCC 12, AVX-512, f16, 8 kv heads x 128, 32 queries, 16-token blocks; in-process
-  // alternation over the same cache (a throwaway switch, 30 to 60 rounds of 3 steps of each layer,
-  // medians, speed inlined over called): 32k tokens over 8 layers 1.06-1.07x with 1 thread (two
-  // runs), 1.03x with 2; 4k over 8 layers 1.02-1.03x and 1.12x; one 4k layer (from the L3) 1.06x;
-  // AVX2 1.04x; head_dim 64 1.02x; f32 (16k) 1.04x; 1 query a kv head 1.02x; 64-token blocks 1.01x.
-  // (Session 56 measured the same for contiguous calls, one head, at 1.02-1.05x with 1 thread but
-  // 0.98-0.99x with 2: they keep the call.) GCC only: Clang 14 took 140-190 s rather than 19 to
-  // compile kernels_avx512.cpp with this third call site of scores_of_heads (102 s of it in its SLP
-  // vectorizer), even where it was the same instantiation as another site.
+  // queries a kv head), whose set-up and return the short blocks pay 4 times a head (on Zen 5,
+  // 16-token blocks of f16 at 32k: 1.06-1.07x with 1 thread). Contiguous calls over one head keep
+  // the call: inlined, they ran 1.02-1.05x with 1 thread but 0.98-0.99x with 2. GCC only: Clang 14
+  // took 140-190 s rather than 19 to compile kernels_avx512.cpp with this third call site of
+  // scores_of_heads.
+  // (measurements: bench/PERFORMANCE.md, "Source notes: scores_dense.inl", scores_dense_heads)
 #if defined(__GNUC__) && !defined(__clang__)
   if (heads > 1) {
     if (kernels::prefetch_to_l1)
