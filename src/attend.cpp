@@ -268,6 +268,17 @@ std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
   return std::clamp<std::uint32_t>((pieced ? 16384 : 8192) / hd / 32 * 32, 32, max_all_heads_tile);
 }
 
+// Most tokens a chunk (on average over the view) for a task that prefetches a piece ahead to score
+// its tiles head after head (head_major, run_heads): each head's keys over the tile's chunks, as
+// the value pass reads its values, rather than every head of one chunk after the other. With
+// 16-token blocks the score pass had been paged's whole deficit against a contiguous cache: from
+// memory (TSC-timed phases, 1 thread, 32k tokens) 7.8-8.0 Mcyc a layer step against 6.7-6.8, its
+// value pass and everything from the L3 at parity. Session 61, Zen 5 VM (f16, 8 kv heads x 128, 32
+// queries; in-process alternation over the same cache, speed of head after head): 16-token blocks
+// 1.06x at 32k with 1 thread, 1.12x with 2, 1.08x at 4k; 32-token blocks 1.02x; 64-token 0.98x,
+// which keep the block after block order.
+constexpr std::uint32_t head_major_tokens = 32;
+
 // Whether the prefetch stream takes chunk a: it has tokens and its heads are small.
 bool prefetchable(const chunk& a, std::uint32_t hd) { return a.tokens > 0 && key_head_bytes(a, hd) <= prefetch_limit; }
 
@@ -512,6 +523,7 @@ kernels::prefetch_region key_rows(const chunk& ch, std::uint32_t ha, std::uint32
 // the tile takes from it: where its prefetch pieces come from.
 struct tile_part {
   std::uint32_t ci, off, n;
+  bool later = false;  // dense keys scored after the tile is gathered, head after head (head_major)
 };
 
 // The value rows of kv heads [h0, h1) (h1 > h0) over a tile's parts[0, count) (count >= 1), head
@@ -544,6 +556,33 @@ std::uint32_t lead_heads(const chunk& ch, std::uint32_t n, std::uint32_t heads, 
 // Piece j of region r (0: its first; j >= 1: more[j - 1]).
 kernels::prefetch_region nth_piece(const kernels::prefetch_region& r, std::uint32_t j) {
   return j == 0 ? kernels::prefetch_region{r.p, r.bytes} : r.more[j - 1];
+}
+
+// The key rows of kv head h over a tile's parts[0, count), one piece a part (an empty one for a
+// part not scored head after head), into pieces[0, max_tile): as one region, pieces[0] with the
+// others as its `more`.
+kernels::prefetch_region head_keys(const layer_view& view, const tile_part* parts, std::uint32_t count,
+                                   std::uint32_t h, std::uint32_t hd, kernels::prefetch_region* pieces) {
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const chunk& ch = view.chunks[parts[j].ci];
+    const std::size_t row = parts[j].later ? hd * dense_element_bytes(ch.k_format) : 0;
+    pieces[j] = {ch.k_head(h) + parts[j].off * row, parts[j].n * row};
+  }
+  kernels::prefetch_region r = pieces[0];
+  r.more = pieces + 1;
+  r.more_count = count - 1;
+  return r;
+}
+
+// Scores of tokens [off, off + n) of dense chunk ch, kv head h, into s (row stride tile), the
+// kernel prefetching `next` while it runs.
+void score_part(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n, const float* qf,
+                float* s, kernels::prefetch_region next) {
+  const std::size_t first = static_cast<std::size_t>(off) * c.head_dim;
+  if (ch.k_format == format::f16)
+    c.kt->scores_f16(qf, c.group, reinterpret_cast<const half*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
+  else
+    c.kt->scores_f32(qf, c.group, reinterpret_cast<const float*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
@@ -627,8 +666,9 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
 // (gathered over as many chunks as it takes) is scored for every head of the range, each head's
 // online-softmax step taken, and its values summed while the tile's keys and values are still in
 // cache. One head at a time reads a contiguous cache's K and V as two sequential streams; all
-// heads of a task together read a paged block (every head side by side) as one, and a two-tier
-// store slab by slab (a slab's rows of a layer, head after head: store_end).
+// heads of a task together read a tile of paged blocks (every head side by side in a block: small
+// blocks head after head over the tile, larger ones block after block, head_major_tokens), and a
+// two-tier store slab by slab (a slab's rows of a layer, head after head: store_end).
 // Where the kernel table has a fused Q4 step (table::attend_q4), a Q4 group with Q4 values is a
 // tile of its own: one call per head does its scores, softmax step and values.
 // The tokens read are those from cursor b up to cursor e; the result goes to the output rows, or
@@ -652,6 +692,10 @@ struct pass_ends {
 // 64-token blocks); the value call of head h head h + lead's values; the last lead value calls
 // the next tile's first block's keys, a part each. (With one block a tile this is session 47's
 // prefetch by phase: a block's keys prefetch all its values, the value pass the next keys.)
+// Blocks of up to head_major_tokens (16 and 32 tokens) are scored head after head instead, once
+// the tile is gathered: the calls of head h (one a block) prefetch the same blocks' keys of head
+// h + 1, the last head's calls the first head's values (lead 1), the value call of head h head
+// h + 1's values, and the last value call the first head's keys over the next tile's blocks.
 // Against prefetch by phase, a piece ahead measured 1.09-1.16x faster with 16-token blocks on the
 // Intel VM (f16, 32k tokens, 1 thread); prefetching farther ahead was slower.
 // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", piece_ahead)
@@ -665,6 +709,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const task_range range(view, b, e, next_head);
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
   const bool pieced = ahead == piece_ahead;
+  const bool head_major = pieced && view.tokens <= view.count * head_major_tokens;
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb && ends.start; ++h) {
@@ -682,7 +727,8 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 
   prefetch_stream pf;
   tile_part parts[max_tile];                 // the tile's chunks with tokens
-  kernels::prefetch_region pieces[max_tile];  // a region of pieces (head_values)
+  kernels::prefetch_region pieces[max_tile];  // a region of pieces (head_values, head_keys)
+  kernels::prefetch_region next_pieces[max_tile];  // head_major: the next tile's first head's keys
   // Cursor: chunk ci, token offset off.
   std::uint32_t ci = b.ci, off = b.off;
   while (ci < end) {
@@ -762,7 +808,9 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         if (a != nullptr) pf.queue(*a, ha, hb, hd);
       }
       parts[parts_in++] = {ci, off, n};
-      if (heads_in_one_call(c, ch, ha, hb) && (pieced || pf.active())) {
+      if (head_major && ch.k_format != format::q4) {
+        parts[parts_in - 1].later = true;  // scored below, head after head
+      } else if (heads_in_one_call(c, ch, ha, hb) && (pieced || pf.active())) {
         // A piece ahead: the next chunk's keys where the tile goes on after this chunk; else as
         // many bytes of the values its value pass reads first as this call reads (lead heads:
         // those of the first heads, over all the tile's chunks). Otherwise the stream's share.
@@ -796,21 +844,49 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
       }
     }
     if (filled == 0) break;  // only empty chunks were left
+    if (head_major) {
+      // Each head's keys over the tile's parts, head after head; each call prefetches the same
+      // part of the next head's keys, the last head's calls the first head's values.
+      lead = 1;
+      for (std::uint32_t h = ha; h < hb; ++h) {
+        const head_state hs = st(h);
+        const kernels::prefetch_region next = h + 1 < hb ? head_keys(view, parts, parts_in, h + 1, hd, pieces)
+                                                         : head_values(view, parts, parts_in, ha, ha + 1, hd, pieces);
+        for (std::uint32_t j = 0, done = 0; j < parts_in; done += parts[j].n, ++j)
+          if (parts[j].later)
+            score_part(c, view.chunks[parts[j].ci], h, parts[j].off, parts[j].n, hs.qf, hs.s + done, nth_piece(next, j));
+      }
+    }
     const std::uint32_t first = parts[0].ci;  // the tile's first chunk with tokens
     // A piece ahead: the value call of head h prefetches head h + lead's values, and the last lead
     // calls the keys of the next tile's first chunk (from the cursor on), a part each.
     kernels::prefetch_region next_keys{};
-    for (std::uint32_t j = ci; pieced && j < end; ++j)
+    for (std::uint32_t j = ci; pieced && !head_major && j < end; ++j)
       if (range.tokens_of(j) > (j == ci ? off : 0)) {
         next_keys = key_rows(view.chunks[j], ha, hb, hd);
         break;
       }
+    if (head_major) {  // the next tile's first head's keys, over as many tokens as a tile holds
+      std::uint32_t m = 0;
+      for (std::uint32_t j = ci, o = off, t = 0; j < end && t < limit && m < max_tile; ++j, o = 0) {
+        const std::uint32_t tj = range.tokens_of(j);
+        if (tj <= o) continue;
+        const chunk& nc = view.chunks[j];
+        if (nc.k_format == format::q4) break;
+        const std::uint32_t nn = std::min(limit - t, tj - o);
+        const std::size_t row = hd * dense_element_bytes(nc.k_format);
+        next_pieces[m++] = {nc.k_head(ha) + o * row, nn * row};
+        t += nn;
+      }
+      if (m > 0) next_keys = {next_pieces[0].p, next_pieces[0].bytes, next_pieces + 1, m - 1};
+    }
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
       c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
       const kernels::prefetch_region next =
           !pieced           ? kernels::prefetch_region{}
           : h + lead < hb   ? head_values(view, parts, parts_in, h + lead, h + lead + 1, hd, pieces)
+                            : head_major       ? next_keys
                             : piece(next_keys, h + lead - hb, h + lead - hb + 1, lead);
       accumulate_tile(c, range, h, first, parts[0].off, filled, hs.s, hs.acc, worker, pf, pieced ? &next : nullptr);
     }
