@@ -709,7 +709,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   const task_range range(view, b, e, next_head);
   const std::uint32_t end = range.end;  // chunks [b.ci, end) hold the range
   const bool pieced = ahead == piece_ahead;
-  const bool head_major = pieced && view.tokens <= view.count * head_major_tokens;
+  const bool head_major = pieced && view.tokens <= std::uint64_t{view.count} * head_major_tokens;
   auto st = [&](std::uint32_t h) { return state_of(base + (h - ha) * c.head_floats, g, hd, tile); };
 
   for (std::uint32_t h = ha; h < hb && ends.start; ++h) {
