@@ -446,6 +446,17 @@ kernels::prefetch_region ahead_rows(const chunk& ch, const onward& o, bool value
   return {(values ? fol.v_head(o.head) : fol.k_head(o.head)) + o.from * frow, std::min(n, fol.tokens - o.from) * frow};
 }
 
+// Scores of tokens [off, off + n) of dense chunk ch, kv head h, into s (row stride tile), the
+// kernel prefetching `next` while it runs.
+void score_part(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n, const float* qf,
+                float* s, kernels::prefetch_region next) {
+  const std::size_t first = static_cast<std::size_t>(off) * c.head_dim;
+  if (ch.k_format == format::f16)
+    c.kt->scores_f16(qf, c.group, reinterpret_cast<const half*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
+  else
+    c.kt->scores_f32(qf, c.group, reinterpret_cast<const float*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
+}
+
 // Scores of tokens [off, off + n) of chunk ci of the range, kv head h, into s (row stride tile). A
 // dense kernel prefetches the share of the stream pf while it runs, or else the rows that follow
 // in the range (ahead_rows, range.after).
@@ -462,13 +473,9 @@ void score_chunk(const call& c, const task_range& range, std::uint32_t ci, std::
   }
   // While the stream runs (small chunks) it has prefetched this chunk's rows already: the kernel
   // spreads the stream's share over its rows rather than taking the chunk's next rows.
-  const std::size_t first = static_cast<std::size_t>(off) * hd;
-  const kernels::prefetch_region next = pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format)))
-                                                    : ahead_rows(ch, range.after(ci, h), false, h, hd, off, n);
-  if (ch.k_format == format::f16)
-    kt.scores_f16(qf, g, reinterpret_cast<const half*>(kb) + first, n, hd, s, c.tile, next);
-  else
-    kt.scores_f32(qf, g, reinterpret_cast<const float*>(kb) + first, n, hd, s, c.tile, next);
+  score_part(c, ch, h, off, n, qf, s,
+             pf.active() ? pf.take(lines_of(n * hd * dense_element_bytes(ch.k_format)))
+                         : ahead_rows(ch, range.after(ci, h), false, h, hd, off, n));
 }
 
 // Whether kv heads [ha, hb) of chunk ch are scored in one kernel call (score_heads): dense keys
@@ -526,6 +533,11 @@ struct tile_part {
   bool later = false;  // dense keys scored after the tile is gathered, head after head (head_major)
 };
 
+// pieces[0, m) (m >= 1) as one region: pieces[0] with the others as its `more`.
+kernels::prefetch_region pieces_region(const kernels::prefetch_region* pieces, std::uint32_t m) {
+  return {pieces[0].p, pieces[0].bytes, pieces + 1, m - 1};
+}
+
 // The value rows of kv heads [h0, h1) (h1 > h0) over a tile's parts[0, count) (count >= 1), head
 // after head, one piece a part (an empty one for a Q4 part), into pieces[0, max_tile): as one
 // region, pieces[0] with the others as its `more` (the first max_tile pieces).
@@ -539,10 +551,7 @@ kernels::prefetch_region head_values(const layer_view& view, const tile_part* pa
       const std::size_t row = ch.v_format == format::q4 ? 0 : hd * dense_element_bytes(ch.v_format);
       pieces[m++] = {ch.v_head(h) + parts[j].off * row, parts[j].n * row};
     }
-  kernels::prefetch_region r = pieces[0];
-  r.more = pieces + 1;
-  r.more_count = m - 1;
-  return r;
+  return pieces_region(pieces, m);
 }
 
 // The heads whose values over a tile of `filled` tokens are about as many bytes as the keys of
@@ -568,21 +577,7 @@ kernels::prefetch_region head_keys(const layer_view& view, const tile_part* part
     const std::size_t row = parts[j].later ? hd * dense_element_bytes(ch.k_format) : 0;
     pieces[j] = {ch.k_head(h) + parts[j].off * row, parts[j].n * row};
   }
-  kernels::prefetch_region r = pieces[0];
-  r.more = pieces + 1;
-  r.more_count = count - 1;
-  return r;
-}
-
-// Scores of tokens [off, off + n) of dense chunk ch, kv head h, into s (row stride tile), the
-// kernel prefetching `next` while it runs.
-void score_part(const call& c, const chunk& ch, std::uint32_t h, std::uint32_t off, std::uint32_t n, const float* qf,
-                float* s, kernels::prefetch_region next) {
-  const std::size_t first = static_cast<std::size_t>(off) * c.head_dim;
-  if (ch.k_format == format::f16)
-    c.kt->scores_f16(qf, c.group, reinterpret_cast<const half*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
-  else
-    c.kt->scores_f32(qf, c.group, reinterpret_cast<const float*>(ch.k_head(h)) + first, n, c.head_dim, s, c.tile, next);
+  return pieces_region(pieces, count);
 }
 
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
@@ -878,7 +873,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         next_pieces[m++] = {nc.k_head(ha) + o * row, nn * row};
         t += nn;
       }
-      if (m > 0) next_keys = {next_pieces[0].p, next_pieces[0].bytes, next_pieces + 1, m - 1};
+      if (m > 0) next_keys = pieces_region(next_pieces, m);
     }
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
