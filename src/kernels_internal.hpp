@@ -46,6 +46,11 @@ static inline void prefetch_line(std::uintptr_t at, bool l1) noexcept {
   else __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);
 }
 
+// The same prefetch, issued for the page `at` lies in rather than for the line: its address
+// translation walked ahead of the stream that reads it (row_prefetch::walk). A name of its own so
+// that tests/test_row_prefetch.cpp can tell the two apart.
+static inline void prefetch_page(std::uintptr_t at, bool l1) noexcept { prefetch_line(at, l1); }
+
 // Whether this CPU's cores split 512-bit vector operations in two 256-bit halves: AMD Zen 4 (CPUID
 // family 0x19; its Zen 3 siblings have no AVX-512). The AVX-512 table then keeps 256-bit dense
 // score kernels, which measured faster there (kernels_avx512.cpp).

@@ -18,6 +18,21 @@
 // a contiguous one 1.03x against prefetcht2. Which level wins has moved with the machine under
 // this VM: measure again where it matters.
 // (measurements: bench/PERFORMANCE.md, "Source notes: row_prefetch.inl", row_prefetch)
+//
+// Page walks: each time the prefetch cursor enters a new 4 KiB page of its region, one line of the
+// page walk_ahead bytes further on is prefetched as well, so that the page's address translation
+// is walked while the kernel works on the pages before it. A prefetch into a page the TLB does not
+// map waits for the walk, and so do the lines queued behind it; where the host backs the guest
+// with 4 KiB pages (a KVM or Firecracker VM without huge pages), the TLB maps the cache's memory
+// 4 KiB at a time whatever the guest's pages, and the stream walks a page every 64 lines. On the
+// Zen 5 VM (a Firecracker guest; session 62, contiguous f16 at 32k tokens, 1 thread), timed tile
+// by tile: every fourth 4-token score tile (the one whose prefetches enter a new page) took 2 to
+// 5 times as long as the others; with the walk ahead the tiles ran evenly, and decode attention
+// ran 1.18x faster (1.09-1.22, 8 process alternations; 2 threads 1.14x). A dense head's rows go on
+// past each tile's region, so the line probed is one the stream reads soon. The probe fires only
+// on crossing a page boundary inside a region: a region of one page (a 16-token paged block of one
+// head) probes nothing, and paged blocks measured no gain from probing pieces ahead.
+// (measurements: bench/PERFORMANCE.md, session 62)
 class row_prefetch {
  public:
   row_prefetch(kernels::prefetch_region r, unsigned rows) noexcept : more_(r.more), left_(r.more_count) {
@@ -51,6 +66,7 @@ class row_prefetch {
     std::uintptr_t a = at_, e = end_;
     for (std::size_t n = per_row_ * rows; n > 0; --n, a += 64) {
       if (a >= e) [[unlikely]] {
+        at_ = a;
         if (!next()) break;
         a = at_;
         e = end_;
@@ -62,19 +78,35 @@ class row_prefetch {
   }
 
  private:
+  static constexpr std::uintptr_t page_bytes = 4096;
+  static constexpr std::uintptr_t walk_ahead = 16384;  // 4 pages: 8-32 KiB measured alike, 64 KiB no faster than none
   // Lines of region r (whose `more` is not counted).
   static std::size_t lines_in(kernels::prefetch_region r) noexcept {
     if (r.bytes == 0) return 0;
     const auto begin = reinterpret_cast<std::uintptr_t>(r.p);
     return (begin + r.bytes + 63) / 64 - begin / 64;
   }
+  // The cursor stops at end_: the piece's end, or the first page boundary inside it if sooner.
   void start(kernels::prefetch_region r) noexcept {
     const auto begin = reinterpret_cast<std::uintptr_t>(r.p);
     at_ = r.bytes == 0 ? 0 : begin & ~std::uintptr_t{63};  // the line of the first byte
-    end_ = r.bytes == 0 ? 0 : begin + r.bytes;
+    piece_end_ = r.bytes == 0 ? 0 : begin + r.bytes;
+    end_ = stop(at_);
   }
-  // To the next piece with bytes; false where none is left.
+  std::uintptr_t stop(std::uintptr_t at) const noexcept {
+    const std::uintptr_t page_end = (at & ~(page_bytes - 1)) + page_bytes;
+    return page_end < piece_end_ ? page_end : piece_end_;
+  }
+  // The cursor (at_) has reached end_: at a page boundary inside the piece, walk the page
+  // walk_ahead bytes further on and go on to the next boundary; at the piece's end, go to the next
+  // piece with bytes. False where none is left. The page boundaries cost the loops nothing: they
+  // stop at end_ anyway, and the rows between boundaries check no more than before.
   bool next() noexcept {
+    if (at_ < piece_end_) {
+      kernels::prefetch_page(at_ + walk_ahead, l1_);
+      end_ = stop(at_);
+      return true;
+    }
     while (left_ > 0) {
       --left_;
       const kernels::prefetch_region r = *more_++;
@@ -86,7 +118,7 @@ class row_prefetch {
     return false;
   }
 
-  std::uintptr_t at_ = 0, end_ = 0;
+  std::uintptr_t at_ = 0, end_ = 0, piece_end_ = 0;
   std::size_t per_row_ = 0;
   const kernels::prefetch_region* more_;
   std::uint32_t left_;

@@ -1,8 +1,9 @@
 // row_prefetch (src/row_prefetch.inl), the dense kernels' software prefetch, over regions of several
 // pieces (kernels::prefetch_region::more, as attend hands a paged tile's value rows of one kv head):
 // every line of every piece goes out exactly once, in the pieces' order, and all of them by the
-// kernel's last row, ceil(lines / rows) a row, whichever of rows() and rows_held() issues them. The prefetch instruction is
-// replaced by a recorder; the file is included as the kernels include it.
+// kernel's last row, ceil(lines / rows) a row, whichever of rows() and rows_held() issues them; and
+// each 4 KiB page a region enters is walked ahead once (row_prefetch::walk). The prefetch
+// instructions are replaced by recorders; the file is included as the kernels include it.
 #include <gtest/gtest.h>
 #include <kvcache/kernels.hpp>
 
@@ -14,17 +15,20 @@
 
 namespace recorded {
 std::vector<std::uintptr_t> lines;  // the lines prefetched, in order
+std::vector<std::uintptr_t> pages;  // the pages walked ahead (prefetch_page), in order
 }  // namespace recorded
 
 namespace kvcache::kernels::testing {
 inline const bool prefetch_to_l1 = false;
 inline void prefetch_line(std::uintptr_t at, bool) noexcept { recorded::lines.push_back(at); }
+inline void prefetch_page(std::uintptr_t at, bool) noexcept { recorded::pages.push_back(at); }
 }  // namespace kvcache::kernels::testing
 
 namespace under_test {
 namespace kernels {
 using kvcache::kernels::prefetch_region;
 using kvcache::kernels::testing::prefetch_line;
+using kvcache::kernels::testing::prefetch_page;
 using kvcache::kernels::testing::prefetch_to_l1;
 }  // namespace kernels
 #include "../src/row_prefetch.inl"
@@ -82,7 +86,53 @@ TEST(row_prefetch, every_line_of_every_piece_once_in_order_by_the_last_row) {
       ASSERT_EQ(recorded::lines, c.lines) << "trial " << trial << (held ? " rows_held" : " rows");
       held ? pf.rows_held(5) : pf.rows(5);  // past the end: nothing more
       EXPECT_EQ(recorded::lines.size(), c.lines.size());
+      // Pages walked: 16 KiB past a page boundary inside one of the pieces (a line of the piece
+      // starts there), each at most once, in order.
+      std::vector<std::uintptr_t> inside;
+      for (const prefetch_region& p : c.pieces) {
+        const auto b = reinterpret_cast<std::uintptr_t>(p.p);
+        for (std::uintptr_t page = (b / 4096 + 1) * 4096; p.bytes > 0 && page < b + p.bytes; page += 4096)
+          inside.push_back(page + 16384);
+      }
+      for (std::size_t i = 0; i < recorded::pages.size(); ++i) {
+        ASSERT_NE(std::find(inside.begin(), inside.end(), recorded::pages[i]), inside.end()) << "trial " << trial;
+        if (i > 0) {
+          ASSERT_LT(recorded::pages[i - 1], recorded::pages[i]) << "trial " << trial;
+        }
+      }
+      recorded::pages.clear();
     }
+  }
+}
+
+// A long region (a contiguous cache's next tile of one kv head) read a few lines a row: every
+// page boundary inside it is walked ahead once, by the time the first line after it goes out; a
+// region of one whole page walks nothing.
+TEST(row_prefetch, walks_each_page_of_a_region_ahead_once) {
+  for (const bool held : {false, true}) {
+    recorded::lines.clear();
+    recorded::pages.clear();
+    const std::uintptr_t begin = 10 * 4096 + 640;
+    const std::size_t bytes = 65536 + 100;
+    const unsigned rows = 256;  // 1027 lines: 5 a row
+    under_test::row_prefetch pf(prefetch_region{reinterpret_cast<const void*>(begin), bytes}, rows);
+    std::vector<std::uintptr_t> want;
+    for (unsigned r = 0; r < rows; ++r) {
+      held ? pf.rows_held(1) : pf.rows(1);
+      const std::uintptr_t next_line = recorded::lines.back() + 64;
+      for (std::uintptr_t page = (begin / 4096 + 1) * 4096; page < next_line; page += 4096) {
+        if (std::find(want.begin(), want.end(), page + 16384) == want.end()) want.push_back(page + 16384);
+      }
+      ASSERT_EQ(recorded::pages, want) << "row " << r << (held ? " rows_held" : " rows");
+    }
+    EXPECT_EQ(want.size(), 16u);  // the boundaries at pages 11 to 26
+
+    recorded::pages.clear();
+    under_test::row_prefetch one(prefetch_region{reinterpret_cast<const void*>(std::uintptr_t{4096 * 7}), 4096}, 16);
+    for (unsigned r = 0; r < 20; ++r) {
+      held ? one.rows_held(1) : one.rows(1);
+    }
+    EXPECT_TRUE(recorded::pages.empty());
   }
 }
 
