@@ -27,11 +27,13 @@
 // 4 KiB at a time whatever the guest's pages, and the stream walks a page every 64 lines. On the
 // Zen 5 VM (a Firecracker guest; session 62, contiguous f16 at 32k tokens, 1 thread), timed tile
 // by tile: every fourth 4-token score tile (the one whose prefetches enter a new page) took 2 to
-// 5 times as long as the others; with the walk ahead the tiles ran evenly, and decode attention
-// ran 1.18x faster (1.09-1.22, 8 process alternations; 2 threads 1.14x). A dense head's rows go on
-// past each tile's region, so the line probed is one the stream reads soon. The probe fires only
-// on crossing a page boundary inside a region: a region of one page (a 16-token paged block of one
-// head) probes nothing, and paged blocks measured no gain from probing pieces ahead.
+// 5 times as long as the others while the VM was in its slow state; with the walk ahead the tiles
+// ran evenly, and decode attention 1.12-1.18x faster (library before and after, alternating
+// processes; 2 threads 1.14x). In its fast state the stall was 20-30 cycles a page and the walk
+// ahead measured 0.98-1.04x. A dense head's rows go on past each tile's region, so the line
+// probed is one the stream reads soon. Only a page boundary inside a region walks (the cursor
+// stops there anyway, see start): a region of one page (a 16-token paged block of one head) walks
+// nothing, and probing paged blocks' pieces ahead measured no gain.
 // (measurements: bench/PERFORMANCE.md, session 62)
 class row_prefetch {
  public:
