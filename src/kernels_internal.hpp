@@ -47,7 +47,7 @@ static inline void prefetch_line(std::uintptr_t at, bool l1) noexcept {
 }
 
 // The same prefetch, issued for the page `at` lies in rather than for the line: its address
-// translation walked ahead of the stream that reads it (row_prefetch::walk). A name of its own so
+// translation walked ahead of the stream that reads it (row_prefetch::next). A name of its own so
 // that tests/test_row_prefetch.cpp can tell the two apart.
 static inline void prefetch_page(std::uintptr_t at, bool l1) noexcept { prefetch_line(at, l1); }
 

@@ -2,7 +2,7 @@
 // pieces (kernels::prefetch_region::more, as attend hands a paged tile's value rows of one kv head):
 // every line of every piece goes out exactly once, in the pieces' order, and all of them by the
 // kernel's last row, ceil(lines / rows) a row, whichever of rows() and rows_held() issues them; and
-// each 4 KiB page a region enters is walked ahead once (row_prefetch::walk). The prefetch
+// each 4 KiB page boundary inside a region is walked ahead once (row_prefetch::next). The prefetch
 // instructions are replaced by recorders; the file is included as the kernels include it.
 #include <gtest/gtest.h>
 #include <kvcache/kernels.hpp>
