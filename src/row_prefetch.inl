@@ -23,9 +23,9 @@
 // page walk_ahead bytes further on is prefetched as well, so that the page's address translation
 // is walked while the kernel works on the pages before it. A prefetch into a page the TLB does not
 // map waits for the walk, and so do the lines queued behind it; where the host backs the guest
-// with 4 KiB pages (a KVM or Firecracker VM without huge pages), the TLB maps the cache's memory
-// 4 KiB at a time whatever the guest's pages, and the stream walks a page every 64 lines. On the
-// Zen 5 VM (a Firecracker guest; session 62, contiguous f16 at 32k tokens, 1 thread), timed tile
+// with 4 KiB pages (shadow page tables, or a host without huge pages), the TLB maps the cache's
+// memory 4 KiB at a time whatever the guest's pages, and the stream walks a page every 64 lines.
+// On the Zen 5 VM (a PVM guest; session 62, contiguous f16 at 32k tokens, 1 thread), timed tile
 // by tile: every fourth 4-token score tile (the one whose prefetches enter a new page) took 2 to
 // 5 times as long as the others while the VM was in its slow state; with the walk ahead the tiles
 // ran evenly, and decode attention 1.12-1.18x faster (library before and after, alternating
