@@ -31,9 +31,10 @@
 // ran evenly, and decode attention 1.12-1.18x faster (library before and after, alternating
 // processes; 2 threads 1.14x). In its fast state the stall was 20-30 cycles a page and the walk
 // ahead measured 0.98-1.04x. A dense head's rows go on past each tile's region, so the line
-// probed is one the stream reads soon. Only a page boundary inside a region walks (the cursor
-// stops there anyway, see start): a region of one page (a 16-token paged block of one head) walks
-// nothing, and probing paged blocks' pieces ahead measured no gain.
+// probed is one the stream reads soon. Only a page boundary inside a region walks (the cursor's
+// stop, end_, is the nearer of the piece's end and the next boundary: see start and next): a region
+// of one page (a 16-token paged block of one head) walks nothing, and probing paged blocks' pieces
+// ahead measured no gain.
 // (measurements: bench/PERFORMANCE.md, session 62)
 class row_prefetch {
  public:
@@ -101,8 +102,8 @@ class row_prefetch {
   }
   // The cursor (at_) has reached end_: at a page boundary inside the piece, walk the page
   // walk_ahead bytes further on and go on to the next boundary; at the piece's end, go to the next
-  // piece with bytes. False where none is left. The page boundaries cost the loops nothing: they
-  // stop at end_ anyway, and the rows between boundaries check no more than before.
+  // piece with bytes. False where none is left. The page boundaries cost the loops no test of their
+  // own: the loops' one test against end_ covers both.
   bool next() noexcept {
     if (at_ < piece_end_) {
       kernels::prefetch_page(at_ + walk_ahead, l1_);
