@@ -197,6 +197,8 @@ table with_score_width() noexcept {
     x.scores_f32 = ymm::scores_f32;
     x.scores_f16_heads = ymm::scores_f16_heads;
     x.scores_f32_heads = ymm::scores_f32_heads;
+    x.scores_f16_segments = ymm::scores_f16_segments;
+    x.scores_f32_segments = ymm::scores_f32_segments;
   }
   return x;
 }
@@ -253,6 +255,8 @@ const table& other_score_width() noexcept {
     x.scores_f32 = narrow ? simd_table.scores_f32 : ymm::scores_f32;
     x.scores_f16_heads = narrow ? simd_table.scores_f16_heads : ymm::scores_f16_heads;
     x.scores_f32_heads = narrow ? simd_table.scores_f32_heads : ymm::scores_f32_heads;
+    x.scores_f16_segments = narrow ? simd_table.scores_f16_segments : ymm::scores_f16_segments;
+    x.scores_f32_segments = narrow ? simd_table.scores_f32_segments : ymm::scores_f32_segments;
     return x;
   }();
   return t;

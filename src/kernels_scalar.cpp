@@ -150,6 +150,23 @@ void scores_f32_heads(const float* q, std::size_t q_head_stride, std::uint32_t n
   scores_dense_heads(q, q_head_stride, nq, k, k_head_stride, heads, tokens, head_dim, out, out_head_stride, out_stride);
 }
 
+template <class K>
+void scores_dense_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                           std::uint32_t head_dim, float* out, std::size_t out_stride) {
+  for (std::uint32_t j = 0; j < count; ++j)
+    scores_dense(q, nq, static_cast<const K*>(segs[j].k), segs[j].tokens, head_dim, out + segs[j].out_offset, out_stride);
+}
+
+void scores_f16_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                         std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
+  scores_dense_segments<half>(q, nq, segs, count, head_dim, out, out_stride);
+}
+
+void scores_f32_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                         std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
+  scores_dense_segments<float>(q, nq, segs, count, head_dim, out, out_stride);
+}
+
 void scores_q4(const float* q, std::uint32_t nq, const std::uint8_t* k, std::uint32_t tokens,
                std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region) {  // no prefetch here
   const half* scales = q4_key_scales(k, head_dim);
@@ -215,6 +232,8 @@ const table& get() noexcept {
             accumulate_q4};
     x.scores_f16_heads = scores_f16_heads;
     x.scores_f32_heads = scores_f32_heads;
+    x.scores_f16_segments = scores_f16_segments;
+    x.scores_f32_segments = scores_f32_segments;
     return x;
   }();
   return t;

@@ -699,5 +699,7 @@ constexpr table simd_table = [] {
           accumulate_q4};
   x.scores_f16_heads = scores_f16_heads;
   x.scores_f32_heads = scores_f32_heads;
+  x.scores_f16_segments = scores_f16_segments;
+  x.scores_f32_segments = scores_f32_segments;
   return x;
 }();

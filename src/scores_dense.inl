@@ -194,6 +194,48 @@ void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t
                                   out_head_stride, out_stride, pf);
 }
 
+// The scores of one head over segs[0, count), each segment as one scores_f16 / scores_f32 call
+// of its own takes it (the same results), pf spread over all of their rows (rows_held where Held).
+template <bool Held, class K>
+void scores_of_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                        std::uint32_t head_dim, float* out, std::size_t out_stride, row_prefetch& pf) {
+  const unsigned tile = score_token_tile<K>(head_dim);
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const K* k = static_cast<const K*>(segs[j].k);
+    if (head_dim == 128)
+      scores_head<128, Held, false>(q, nq, k, segs[j].tokens, head_dim, out + segs[j].out_offset, out_stride, tile, pf);
+    else
+      scores_head<0, Held, false>(q, nq, k, segs[j].tokens, head_dim, out + segs[j].out_offset, out_stride, tile, pf);
+  }
+}
+
+// The scores of one head over several runs of keys (table::scores_f16_segments: a tile's paged
+// blocks, scored head after head), in one call rather than one a block: the call's set-up, its
+// prefetch cursor and the table's indirect call once per tile instead of once per 16-token block.
+// The score tile stays a call of its own, as in the one-head kernels: inlined into the loop (as
+// scores_dense_heads has it) the kernel measured no faster than one call a block, out of line
+// 1.00-1.03x (Zen 5 VM, paged f16 blocks of 16 tokens, 256-token tiles, in-process alternation).
+// (measurements: bench/PERFORMANCE.md, session 63)
+template <class K>
+void scores_dense_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                           std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
+  std::size_t rows = 0;
+  for (std::uint32_t j = 0; j < count; ++j) rows += segs[j].tokens;
+  row_prefetch pf(region, static_cast<unsigned>(rows * score_passes(nq)));
+  if (kernels::prefetch_to_l1) scores_of_segments<true, K>(q, nq, segs, count, head_dim, out, out_stride, pf);
+  else scores_of_segments<false, K>(q, nq, segs, count, head_dim, out, out_stride, pf);
+}
+
+void scores_f16_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                         std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense_segments<half>(q, nq, segs, count, head_dim, out, out_stride, pf);
+}
+
+void scores_f32_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                         std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) {
+  scores_dense_segments<float>(q, nq, segs, count, head_dim, out, out_stride, pf);
+}
+
 void scores_f16_heads(const float* q, std::size_t q_head_stride, std::uint32_t nq, const half* k,
                       std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens, std::uint32_t head_dim,
                       float* out, std::size_t out_head_stride, std::size_t out_stride, prefetch_region pf) {

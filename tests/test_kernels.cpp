@@ -490,6 +490,85 @@ void check_scores_dense_heads(const kernels::table& t, std::mt19937_64& rng, boo
         }
 }
 
+// scores_f16_segments / scores_f32_segments: one head's keys in several runs (the head's rows in
+// each of a tile's paged blocks: ragged lengths, empty runs, runs apart in memory and in any order
+// there) with their scores at offsets of the output rows (with gaps between them) give exactly what
+// one scores_f16 / scores_f32 call per run gives (which check_scores_dense holds to the float64
+// reference), and write nothing else; the prefetch region is one of several pieces.
+template <class K>
+void check_scores_dense_segments(const kernels::table& t, std::mt19937_64& rng, bool f16) {
+  ASSERT_TRUE(f16 ? t.scores_f16_segments != nullptr : t.scores_f32_segments != nullptr);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::uint32_t hd : head_dims)
+    for (std::uint32_t nq : {1u, 3u, 4u, 5u, 8u})
+      for (std::uint32_t count : {0u, 1u, 2u, 3u, 8u, 16u}) {
+        // Runs of 0..33 tokens (16 most often, as paged blocks), each at a random place in k.
+        std::vector<std::uint32_t> len(count), at(count), offset(count);
+        std::size_t k_size = 1, width = 0;
+        for (std::uint32_t j = 0; j < count; ++j) {
+          const std::uint32_t r = static_cast<std::uint32_t>(rng() % 6);
+          len[j] = r == 0 ? 0u : r <= 2 ? 16u : static_cast<std::uint32_t>(rng() % 34);
+          width += rng() % 3;  // a gap of unused columns before the run's
+          offset[j] = static_cast<std::uint32_t>(width);
+          width += len[j];
+        }
+        std::vector<std::uint32_t> order(count);
+        for (std::uint32_t j = 0; j < count; ++j) order[j] = j;
+        std::shuffle(order.begin(), order.end(), rng);
+        for (std::uint32_t j : order) {  // runs in memory in a shuffled order, gaps between them
+          k_size += rng() % 5;
+          at[j] = static_cast<std::uint32_t>(k_size);
+          k_size += static_cast<std::size_t>(len[j]) * hd;
+        }
+        SCOPED_TRACE(cat("head_dim=", hd, " nq=", nq, " count=", count, " columns=", width));
+        std::vector<K> k(k_size + 1);
+        for (K& x : k) {
+          if constexpr (std::is_same_v<K, half>) x = kvcache::to_half(nd(rng) * 3.0f);
+          else x = nd(rng) * 3.0f;
+        }
+        std::vector<float> q(std::size_t{nq} * hd + 1);
+        for (float& x : q) x = nd(rng);
+        std::vector<kvcache::kernels::key_segment> segs(count);
+        for (std::uint32_t j = 0; j < count; ++j) segs[j] = {k.data() + at[j], len[j], offset[j]};
+        const std::size_t os = width + 2;
+        const float guard = -12345.0f;
+        std::vector<float> got(nq * os + 2, guard), want(got.size(), guard);
+        // The prefetch region: three pieces of another buffer, the middle one empty.
+        const std::vector<K> next(k_size + 64);
+        const kvcache::kernels::prefetch_region more[2] = {{}, {next.data() + k_size / 2, (k_size / 2) * sizeof(K)}};
+        const kvcache::kernels::prefetch_region region{next.data() + 1, (k_size / 3) * sizeof(K), more, 2};
+        if (f16)
+          t.scores_f16_segments(q.data() + 1, nq, segs.data(), count, hd, got.data() + 1, os, region);
+        else
+          t.scores_f32_segments(q.data() + 1, nq, segs.data(), count, hd, got.data() + 1, os, region);
+        for (std::uint32_t j = 0; j < count; ++j) {
+          if (f16)
+            t.scores_f16(q.data() + 1, nq, reinterpret_cast<const half*>(k.data() + at[j]), len[j], hd,
+                         want.data() + 1 + offset[j], os, {});
+          else
+            t.scores_f32(q.data() + 1, nq, reinterpret_cast<const float*>(k.data() + at[j]), len[j], hd,
+                         want.data() + 1 + offset[j], os, {});
+        }
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+            << "not the scores of one call per run (or a write outside them)";
+        std::size_t written = 0;  // columns outside every run keep the guard
+        for (std::uint32_t i = 0; i < nq; ++i)
+          for (std::size_t col = 0; col < os; ++col) written += got[1 + i * os + col] != guard;
+        std::size_t scored = 0;
+        for (std::uint32_t j = 0; j < count; ++j) scored += len[j];
+        ASSERT_EQ(written, scored * nq);
+      }
+}
+
+TEST_P(Kernels, ScoresSegmentsF16) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense_segments<half>(*t_, rng_, true);
+}
+TEST_P(Kernels, ScoresSegmentsF32) {
+  KVCACHE_SEED_TRACE();
+  check_scores_dense_segments<float>(*t_, rng_, false);
+}
+
 TEST_P(Kernels, ScoresHeadsF16) {
   KVCACHE_SEED_TRACE();
   check_scores_dense_heads<half>(*t_, rng_, true);
@@ -521,11 +600,15 @@ TEST_P(Kernels, ScoresOtherWidth) {
   EXPECT_NE(other->scores_f32, t_->scores_f32);
   EXPECT_NE(other->scores_f16_heads, t_->scores_f16_heads);
   EXPECT_NE(other->scores_f32_heads, t_->scores_f32_heads);
+  EXPECT_NE(other->scores_f16_segments, t_->scores_f16_segments);
+  EXPECT_NE(other->scores_f32_segments, t_->scores_f32_segments);
   EXPECT_EQ(other->accumulate_f16, t_->accumulate_f16);
   check_scores_dense<half>(*other, rng_, true);
   check_scores_dense<float>(*other, rng_, false);
   check_scores_dense_heads<half>(*other, rng_, true);
   check_scores_dense_heads<float>(*other, rng_, false);
+  check_scores_dense_segments<half>(*other, rng_, true);
+  check_scores_dense_segments<float>(*other, rng_, false);
 }
 
 template <class V>

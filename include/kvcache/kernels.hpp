@@ -61,6 +61,15 @@ struct q4_group_ref {
   const std::uint8_t* ahead_v = nullptr;
 };
 
+/// A run of dense key rows of one kv head for table::scores_f16_segments / scores_f32_segments:
+/// `tokens` rows of head_dim elements (half or float, as the kernel's name says) at k, whose scores
+/// go to columns [out_offset, out_offset + tokens) of the kernel's output rows.
+struct key_segment {
+  const void* k = nullptr;
+  std::uint32_t tokens = 0;
+  std::uint32_t out_offset = 0;
+};
+
 /// Function table of one ISA. Shapes are given as comments; "stride" counts elements, not bytes.
 struct table {
   isa which;
@@ -147,6 +156,14 @@ struct table {
                            std::size_t k_head_stride, std::uint32_t heads, std::uint32_t tokens,
                            std::uint32_t head_dim, float* out, std::size_t out_head_stride, std::size_t out_stride,
                            prefetch_region pf) = nullptr;
+  /// scores_f16 / scores_f32 of one kv head over `count` runs of keys in one call (the head's rows
+  /// in each of a tile's paged blocks): out[i * out_stride + segs[j].out_offset + t] = dot(q[i *
+  /// head_dim ..], row t of segs[j]); pf spread over all of them. The same results as one call
+  /// per segment. // q [nq][head_dim], segs [count], out [nq][out_stride]
+  void (*scores_f16_segments)(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                              std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) = nullptr;
+  void (*scores_f32_segments)(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                              std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region pf) = nullptr;
 };
 
 /// The table of the active ISA (see isa.hpp).
