@@ -253,19 +253,22 @@ constexpr std::uint32_t prefetch_tokens = 64;
 constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a chunk
 
 // Tokens per tile of a task that reads all kv heads of a view's small chunks together (paged blocks
-// of 16 to 64 tokens, see head_by_head), a multiple of 32 from 32 to 128: with the prefetch
-// a piece ahead (two kv heads or more: `pieced`), tile x head_dim = 16384 elements (128 tokens up
-// to head_dim 128, 64 at 256); with the stream half a tile ahead (one kv head), 8192 (128 tokens
-// at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35, where shorter tiles brought paged
-// steps nearer contiguous ones with the rows streamed from memory (as an engine streams every
-// layer) though they cost more from cache. Pieced, 128-token tiles measured 1.04-1.08x as fast as 64
-// at 32k tokens from memory on the Zen 5 VM (16-token blocks, head_dim 128); 256 measured 1.03x at
-// 32k but 0.995x at 4k, and was not taken.
-// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", all_heads_tile)
-constexpr std::uint32_t max_all_heads_tile = 128;
-static_assert(max_all_heads_tile <= max_tile);
+// of 16 to 64 tokens, see head_by_head), a multiple of 32: with the prefetch a piece ahead (two kv
+// heads or more: `pieced`), tile x head_dim = 32768 elements (256 tokens up to head_dim 128, 128
+// at 256: head_tile's length); with the stream half a tile ahead (one kv head), 8192 (128 tokens
+// at head_dim 64, 64 at 128, 32 at 256), as chosen in session 35, where shorter tiles brought
+// paged steps nearer contiguous ones with the rows streamed from memory (as an engine streams
+// every layer) though they cost more from cache. Pieced, 128-token tiles measured 1.04-1.08x as
+// fast as 64 at 32k tokens from memory on the Zen 5 VM (16-token blocks, head_dim 128, session
+// 56), where 256 measured 1.03x at 32k but 0.995x at 4k and was not taken; in session 63, with the
+// keys of a tile's blocks scored in one call a head (score_head_parts), 256 over 128 measured
+// 1.01-1.03x at 4k and 32k, 1 and 2 threads, and the two together 1.02-1.09x (64-token blocks
+// 1.03x; head_dim 64 1.07x and 256 1.03-1.05x with 128 over 64).
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", all_heads_tile, and session 63)
+constexpr std::uint32_t max_stream_tile = 128;  // of a task with one kv head
 std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
-  return std::clamp<std::uint32_t>((pieced ? 16384 : 8192) / hd / 32 * 32, 32, max_all_heads_tile);
+  return pieced ? std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 32, max_tile)
+                : std::clamp<std::uint32_t>(8192 / hd / 32 * 32, 32, max_stream_tile);
 }
 
 // Most tokens a chunk (on average over the view) for a task that prefetches a piece ahead to score
@@ -580,6 +583,34 @@ kernels::prefetch_region head_keys(const layer_view& view, const tile_part* part
   return pieces_region(pieces, count);
 }
 
+// The scores of kv head h over a tile's parts[0, count) scored head after head (`later`; the others
+// are left alone), into s (part j's tokens from its offset in the tile on), the kernel calls
+// prefetching region `next` (a piece a part, head_keys or head_values): one call over all the
+// parts (table::scores_f16_segments, scores_f32_segments) where every part is such and all hold
+// one key format, else one call a part, each its piece. One call rather than one per 16-token
+// block: with 256-token tiles 1.00-1.03x, and with them 1.02-1.09x with 1 thread (Zen 5 VM, f16,
+// 32k and 4k tokens; 32-token blocks 1.11x).
+// (measurements: bench/PERFORMANCE.md, session 63)
+void score_head_parts(const call& c, const layer_view& view, const tile_part* parts, std::uint32_t count,
+                      std::uint32_t h, const float* qf, float* s, const kernels::prefetch_region& next) {
+  const format f = view.chunks[parts[0].ci].k_format;
+  const auto segments = f == format::f16   ? c.kt->scores_f16_segments
+                        : f == format::f32 ? c.kt->scores_f32_segments
+                                           : nullptr;
+  bool one = segments != nullptr;
+  for (std::uint32_t j = 0; j < count && one; ++j) one = parts[j].later && view.chunks[parts[j].ci].k_format == f;
+  if (one) {
+    kernels::key_segment segs[max_tile];
+    const std::size_t row = c.head_dim * dense_element_bytes(f);
+    for (std::uint32_t j = 0, done = 0; j < count; done += parts[j].n, ++j)
+      segs[j] = {view.chunks[parts[j].ci].k_head(h) + parts[j].off * row, parts[j].n, done};
+    segments(qf, c.group, segs, count, c.head_dim, s, c.tile, next);
+    return;
+  }
+  for (std::uint32_t j = 0, done = 0; j < count; done += parts[j].n, ++j)
+    if (parts[j].later) score_part(c, view.chunks[parts[j].ci], h, parts[j].off, parts[j].n, qf, s + done, nth_piece(next, j));
+}
+
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers. Where `then` is set
@@ -683,8 +714,8 @@ struct pass_ends {
 // score call, a block's keys, before it is read): a block's score call (all heads) the next
 // block's keys; the tile's last one the values of the first `lead` heads over all the tile's
 // blocks (a region of pieces, kernels::prefetch_region::more; lead = that call's key bytes over
-// one head's values in the tile: 1 head with 16-token blocks and 128-token tiles, 4 of 8 with
-// 64-token blocks); the value call of head h head h + lead's values; the last lead value calls
+// one head's values in the tile: 2 of 8 heads with 64-token blocks and 256-token tiles, 4 with
+// 128-token tiles); the value call of head h head h + lead's values; the last lead value calls
 // the next tile's first block's keys, a part each. (With one block a tile this is session 47's
 // prefetch by phase: a block's keys prefetch all its values, the value pass the next keys.)
 // Blocks of up to head_major_tokens (16 and 32 tokens) are scored head after head instead, once
@@ -840,16 +871,15 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
     if (filled == 0) break;  // only empty chunks were left
     if (head_major) {
-      // Each head's keys over the tile's parts, head after head; each call prefetches the same
-      // part of the next head's keys, the last head's calls the first head's values.
+      // Each head's keys over the tile's parts, head after head (score_head_parts); head h's
+      // calls prefetch the next head's keys over the same parts, the last head's the first
+      // head's values.
       lead = 1;
       for (std::uint32_t h = ha; h < hb; ++h) {
         const head_state hs = st(h);
         const kernels::prefetch_region next = h + 1 < hb ? head_keys(view, parts, parts_in, h + 1, hd, pieces)
                                                          : head_values(view, parts, parts_in, ha, ha + 1, hd, pieces);
-        for (std::uint32_t j = 0, done = 0; j < parts_in; done += parts[j].n, ++j)
-          if (parts[j].later)
-            score_part(c, view.chunks[parts[j].ci], h, parts[j].off, parts[j].n, hs.qf, hs.s + done, nth_piece(next, j));
+        score_head_parts(c, view, parts, parts_in, h, hs.qf, hs.s, next);
       }
     }
     const std::uint32_t first = parts[0].ci;  // the tile's first chunk with tokens
