@@ -264,7 +264,7 @@ constexpr std::size_t prefetch_limit = 32768;  // bytes of one head's keys in a 
 // keys of a tile's blocks scored in one call a head (score_head_parts), 256 over 128 measured
 // 1.01-1.03x at 4k and 32k, 1 and 2 threads, and the two together 1.02-1.09x (64-token blocks
 // 1.03x; head_dim 64 1.07x and 256 1.03-1.05x with 128 over 64).
-// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", all_heads_tile, and session 63)
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", all_heads_tile, and sessions 63-64)
 constexpr std::uint32_t max_stream_tile = 128;  // of a task with one kv head
 std::uint32_t all_heads_tile(std::uint32_t hd, bool pieced) {
   return pieced ? std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 32, max_tile)
@@ -590,7 +590,7 @@ kernels::prefetch_region head_keys(const layer_view& view, const tile_part* part
 // one key format, else one call a part, each its piece. One call rather than one per 16-token
 // block: with 256-token tiles 1.00-1.03x, and with them 1.02-1.09x with 1 thread (Zen 5 VM, f16,
 // 32k and 4k tokens; 32-token blocks 1.11x).
-// (measurements: bench/PERFORMANCE.md, session 63)
+// (measurements: bench/PERFORMANCE.md, sessions 63-64)
 void score_head_parts(const call& c, const layer_view& view, const tile_part* parts, std::uint32_t count,
                       std::uint32_t h, const float* qf, float* s, const kernels::prefetch_region& next) {
   const format f = view.chunks[parts[0].ci].k_format;

@@ -215,7 +215,7 @@ void scores_of_segments(const float* q, std::uint32_t nq, const key_segment* seg
 // The score tile stays a call of its own, as in the one-head kernels: inlined into the loop (as
 // scores_dense_heads has it) the kernel measured no faster than one call a block, out of line
 // 1.00-1.03x (Zen 5 VM, paged f16 blocks of 16 tokens, 256-token tiles, in-process alternation).
-// (measurements: bench/PERFORMANCE.md, session 63)
+// (measurements: bench/PERFORMANCE.md, sessions 63-64)
 template <class K>
 void scores_dense_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
                            std::uint32_t head_dim, float* out, std::size_t out_stride, prefetch_region region) {
