@@ -111,6 +111,20 @@ std::string compiler() {
 #endif
 }
 
+// How the benchmarks (and, in this project's builds, the library) were compiled: recorded as
+// "kvcache_build" beside Google Benchmark's own "Library was built as DEBUG" warning, which Debian's
+// libbenchmark prints because that library (its timing loop, not this code) is built without
+// NDEBUG; this line says whether the code being timed is optimised and without assertions.
+std::string build() {
+#if defined(__OPTIMIZE__) && defined(NDEBUG)
+  return "optimized, NDEBUG";
+#elif defined(__OPTIMIZE__)
+  return "optimized, assertions on";
+#else
+  return "not optimized";
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +139,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("kvcache_compiler", compiler());
+  benchmark::AddCustomContext("kvcache_build", build());
   collecting_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   if (report) print_report(reporter.figures);
