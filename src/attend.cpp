@@ -533,7 +533,10 @@ kernels::prefetch_region key_rows(const chunk& ch, std::uint32_t ha, std::uint32
 // the tile takes from it: where its prefetch pieces come from.
 struct tile_part {
   std::uint32_t ci, off, n;
-  bool later = false;  // dense keys scored after the tile is gathered, head after head (head_major)
+  // Dense keys scored after the tile is gathered, head after head (head_major). No default member
+  // initializer: run_heads sets it with the rest ({ci, off, n, false}), and its array of max_tile
+  // parts stays uninitialized (a default initializer cleared all 256 flags every call).
+  bool later;
 };
 
 // pieces[0, m) (m >= 1) as one region: pieces[0] with the others as its `more`.
@@ -688,6 +691,17 @@ void accumulate_tile(const call& c, const task_range& range, std::uint32_t h, st
   }
 }
 
+// out[i][d] = acc[i][d] / sum[i] for g rows of hd (0 where sum[i] is 0). The rows are the
+// worker's scratch and the caller's output, which never overlap: __restrict lets the compiler
+// vectorize the loop, which it kept scalar for fear of out aliasing acc or sum.
+void normalise(const float* __restrict acc, const float* __restrict sum, std::uint32_t g, std::uint32_t hd,
+               float* __restrict out) {
+  for (std::uint32_t i = 0; i < g; ++i) {
+    const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+    for (std::uint32_t d = 0; d < hd; ++d) out[i * hd + d] = acc[i * hd + d] * inv;
+  }
+}
+
 // Heads [ha, hb) of one sequence in one pass over its view. A tile of up to `tile` tokens
 // (gathered over as many chunks as it takes) is scored for every head of the range, each head's
 // online-softmax step taken, and its values summed while the tile's keys and values are still in
@@ -791,34 +805,44 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         // the run, the group two further on; past its end, the same head's next run (after the
         // last head; before it, the next head's first groups), and after the range's last run
         // the next head's first groups (where the range starts with a whole group).
+        // The run's groups are all Q4 groups of one head_dim (is_q4_group, above): prefetchable
+        // all or none, checked once. The two groups after the run, which its last two groups
+        // prefetch for the task's last head, are found once per run as well.
+        const chunk* run = view.chunks + ci;
+        const bool ahead_ok = prefetchable(run[0], hd);
+        const chunk* after[2] = {nullptr, nullptr};
+        std::uint32_t after_head[2] = {ha, ha};
+        for (std::uint32_t k = 0; k < 2; ++k) {
+          const std::uint32_t ai = ci + n + std::min(k, n - 1);
+          if (ai < end) {
+            after[k] = &view.chunks[ai];
+          } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
+            after[k] = &view.chunks[b.ci + (ai - end)];
+            after_head[k] = next_head;
+          }
+          if (after[k] != nullptr && !(is_q4_group(*after[k]) && prefetchable(*after[k], hd))) after[k] = nullptr;
+        }
+        const auto bytes = [](const std::byte* p) { return reinterpret_cast<const std::uint8_t*>(p); };
         for (std::uint32_t h = ha; h < hb; ++h) {
           const head_state hs = st(h);
           for (std::uint32_t j0 = 0; j0 < n; j0 += q4_run) {
             const std::uint32_t count = std::min(q4_run, n - j0);
             for (std::uint32_t j = j0; j < j0 + count; ++j) {
-              const chunk& cj = view.chunks[ci + j];
+              const chunk& cj = run[j];
               const chunk* aj = nullptr;
               std::uint32_t ah = h;
               if (j + 2 < n) {
-                aj = &view.chunks[ci + j + 2];
+                aj = ahead_ok ? &run[j + 2] : nullptr;
               } else if (h + 1 < hb) {  // the next head's first groups of this run
-                aj = &view.chunks[ci + std::min(j + 2 - n, n - 1)];
+                aj = ahead_ok ? &run[std::min(j + 2 - n, n - 1)] : nullptr;
                 ah = h + 1;
               } else {  // the next run's first groups (head ha), or the next head's
-                const std::uint32_t ai = ci + n + std::min(j + 2 - n, n - 1);
-                ah = ha;
-                if (ai < end) {
-                  aj = &view.chunks[ai];
-                } else if (next_head != no_head && b.off == 0 && b.ci + (ai - end) < end) {
-                  aj = &view.chunks[b.ci + (ai - end)];
-                  ah = next_head;
-                }
+                aj = after[j + 2 - n];
+                ah = after_head[j + 2 - n];
               }
-              if (aj != nullptr && !(is_q4_group(*aj) && prefetchable(*aj, hd))) aj = nullptr;
-              gr[j - j0] = {reinterpret_cast<const std::uint8_t*>(cj.k_head(h)),
-                            reinterpret_cast<const std::uint8_t*>(cj.v_head(h)), cj.tokens,
-                            aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->k_head(ah)),
-                            aj == nullptr ? nullptr : reinterpret_cast<const std::uint8_t*>(aj->v_head(ah))};
+              gr[j - j0] = {bytes(cj.k_head(h)), bytes(cj.v_head(h)), cj.tokens,
+                            aj == nullptr ? nullptr : bytes(aj->k_head(ah)),
+                            aj == nullptr ? nullptr : bytes(aj->v_head(ah))};
             }
             c.kt->attend_q4(hs.qf, g, gr, count, hd, hs.run_max, hs.run_sum, hs.acc);
           }
@@ -833,7 +857,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         const chunk* a = chunk_ahead(view, ci, end, hd, ahead);
         if (a != nullptr) pf.queue(*a, ha, hb, hd);
       }
-      parts[parts_in++] = {ci, off, n};
+      parts[parts_in++] = {ci, off, n, false};
       if (head_major && ch.k_format != format::q4) {
         parts[parts_in - 1].later = true;  // scored below, head after head
       } else if (heads_in_one_call(c, ch, ha, hb) && (pieced || pf.active())) {
@@ -932,10 +956,7 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   for (std::uint32_t h = ha; h < hb; ++h) {
     const head_state hs = st(h);
     float* oh = c.out + (seq * c.kv_heads + h) * gd;
-    for (std::uint32_t i = 0; i < g; ++i) {
-      const float inv = hs.run_sum[i] > 0.0f ? 1.0f / hs.run_sum[i] : 0.0f;
-      for (std::uint32_t d = 0; d < hd; ++d) oh[i * hd + d] = hs.acc[i * hd + d] * inv;
-    }
+    normalise(hs.acc, hs.run_sum, g, hd, oh);
   }
 }
 
