@@ -372,7 +372,7 @@ contiguous_stats contiguous_cache<cuda>::stats() const noexcept {
   contiguous_stats st;
   st.sequences = m.ids.live();
   st.tokens = m.tokens;
-  st.resident_bytes = m.arena.capacity() + m.staging.size();
+  st.resident_bytes = m.arena.capacity() + m.staging.size() + m.uploader.capacity();  // every byte held
   st.reserved_tokens = m.reserved_tokens;
   st.capacity_tokens = m.cfg.max_sequences * m.cfg.capacity_tokens;  // every slot is allocated
   st.max_sequences = m.cfg.max_sequences;

@@ -306,8 +306,8 @@ result<block_table_csr> paged_cache<cuda>::export_block_tables(std::span<const s
 
 paged_stats paged_cache<cuda>::stats() const {
   const impl& m = *impl_;
-  paged_stats st = m.stats();  // resident: the pool's arena, plus this cache's staging and table
-  st.resident_bytes += m.staging.size() + m.table_buf.size();
+  paged_stats st = m.stats();  // resident: the pool's arena, plus this cache's staging and tables
+  st.resident_bytes += m.staging.size() + m.table_buf.size() + m.uploader.capacity();
   return st;
 }
 

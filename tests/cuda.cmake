@@ -7,11 +7,11 @@
 if(TARGET kvcache::cuda)
   find_package(CUDAToolkit REQUIRED)
   file(GLOB KVCACHE_CUDA_TEST_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/cuda/test_*.cpp)
-  # Emulated only (below): test_cuda_emulated, and test_cuda_oom (it needs the emulated
-  # runtime's allocation refusal, and its operator new replacement would also see the real
-  # runtime's allocations).
+  # Emulated only (below): test_cuda_emulated, test_cuda_oom (it needs the emulated runtime's
+  # allocation refusal, and its operator new replacement would also see the real runtime's
+  # allocations) and test_cuda_stats (it reads the emulated runtime's ledger of allocations).
   list(REMOVE_ITEM KVCACHE_CUDA_TEST_SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_emulated.cpp
-       ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_oom.cpp)
+       ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_oom.cpp ${CMAKE_CURRENT_LIST_DIR}/cuda/test_cuda_stats.cpp)
   foreach(src IN LISTS KVCACHE_CUDA_TEST_SOURCES)
     get_filename_component(name ${src} NAME_WE)
     add_executable(${name} ${src})
@@ -64,7 +64,7 @@ if(KVCACHE_CUDA_EMULATED_TESTS)
   target_compile_options(kvcache_cuda_emu PRIVATE -Wno-unknown-pragmas -ffp-contract=off
                          $<$<CXX_COMPILER_ID:Clang>:-Wno-pass-failed>)
   foreach(name IN ITEMS test_cuda_validation test_cuda_kernels test_cuda_graph test_cuda_contiguous
-                        test_cuda_paged test_cuda_two_tier test_cuda_oom)
+                        test_cuda_paged test_cuda_two_tier test_cuda_oom test_cuda_stats)
     add_executable(${name}_emulated ${CMAKE_CURRENT_LIST_DIR}/cuda/${name}.cpp)
     target_link_libraries(${name}_emulated PRIVATE kvcache_cuda_emu GTest::gtest GTest::gtest_main)
     target_include_directories(${name}_emulated PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda)

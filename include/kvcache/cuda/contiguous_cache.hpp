@@ -124,7 +124,9 @@ class contiguous_cache<cuda> {
   /// The committed tokens of one layer: zero chunks or one chunk with device k/v pointers,
   /// // [kv_head][capacity_tokens][head_dim]. Errors: unknown_sequence, layer_out_of_range.
   [[nodiscard]] result<layer_view> view(seq_id id, std::uint32_t layer) const;
-  /// Counters, O(1). resident_bytes: the device arena (all slots) plus the host-write staging.
+  /// Counters, O(1). resident_bytes: every byte the cache holds from the runtime: the device
+  /// arena (all slots and the batch tables), the host-write staging on the device, and the
+  /// pinned host memory the batch tables are uploaded from.
   [[nodiscard]] contiguous_stats stats() const noexcept;
 
   // ---- batch decode path (device) --------------------------------------------------------

@@ -108,7 +108,8 @@ class paged_cache<cuda> {
   /// next export_block_tables call or cache move; out_of_memory where they cannot grow.
   [[nodiscard]] result<block_table_csr> export_block_tables(std::span<const seq_id> seqs);
   /// Counters; resident_bytes is the pool's device allocation (shared by every cache on it) plus
-  /// this cache's staging and device table buffers.
+  /// this cache's own from the runtime: the host-write staging and batch tables on the device, and
+  /// the pinned host memory the tables are uploaded from.
   [[nodiscard]] paged_stats stats() const;
 
   // ---- batch decode path (device) --------------------------------------------------------
