@@ -109,6 +109,24 @@ struct rng {
   }
 };
 
+/// `tokens` rows of K or V for shape g ([tokens][kv_heads][head_dim] floats in [-1, 1)), the same
+/// rows for the same seed: the emulated allocation tests' inputs, which must not vary between a
+/// call and its retries.
+inline std::vector<float> seeded_rows(const kvcache::geometry& g, std::size_t tokens, std::uint32_t seed) {
+  rng r;
+  r.gen.seed(seed);
+  return r.floats(tokens * g.token_width());
+}
+
+/// attention_params of `q_heads` query heads over shape g, the rest at their defaults.
+inline kvcache::attention_params params_of(const kvcache::geometry& g, std::uint32_t q_heads) {
+  kvcache::attention_params p;
+  p.q_heads = q_heads;
+  p.kv_heads = g.kv_heads;
+  p.head_dim = g.head_dim;
+  return p;
+}
+
 /// Attend options of the cuda caches with `tokens` per split (0: automatic), the rest at their
 /// defaults (brace-initialising the options names every field, or -Wextra objects).
 inline kvcache::cuda_attend_options split_of(std::uint32_t tokens) {

@@ -57,19 +57,8 @@ struct refuse_device_allocations {
   refuse_device_allocations& operator=(const refuse_device_allocations&) = delete;
 };
 
-std::vector<float> rows(std::size_t tokens, std::uint32_t seed) {
-  kvcache_cuda_test::rng r;
-  r.gen.seed(seed);
-  return r.floats(tokens * shape.token_width());
-}
-
-attention_params params() {
-  attention_params p;
-  p.q_heads = q_heads;
-  p.kv_heads = shape.kv_heads;
-  p.head_dim = shape.head_dim;
-  return p;
-}
+std::vector<float> rows(std::size_t tokens, std::uint32_t seed) { return kvcache_cuda_test::seeded_rows(shape, tokens, seed); }
+attention_params params() { return kvcache_cuda_test::params_of(shape, q_heads); }
 
 // What a cache holds: its stats, every sequence's length, and the bytes of every chunk of its
 // views at every layer (each kv head's keys and values: a whole Q4 group, or the chunk's dense

@@ -48,19 +48,8 @@ std::size_t total(const std::map<const char*, std::size_t>& m) {
 }
 held runtime_held() { return {total(kvcache_emu::state().device), total(kvcache_emu::state().pinned)}; }
 
-std::vector<float> rows(std::size_t tokens, std::uint32_t seed) {
-  kvcache_cuda_test::rng r;
-  r.gen.seed(seed);
-  return r.floats(tokens * shape.token_width());
-}
-
-attention_params params() {
-  attention_params p;
-  p.q_heads = q_heads;
-  p.kv_heads = shape.kv_heads;
-  p.head_dim = shape.head_dim;
-  return p;
-}
+std::vector<float> rows(std::size_t tokens, std::uint32_t seed) { return kvcache_cuda_test::seeded_rows(shape, tokens, seed); }
+attention_params params() { return kvcache_cuda_test::params_of(shape, q_heads); }
 
 // What the runtime holds beyond `base` and the test's own device bytes `own`, against a cache's
 // stats (two-tier: device and pinned apart).
