@@ -65,6 +65,13 @@ void expect_two_tier(const held& base, std::size_t own, const two_tier_stats& st
   EXPECT_LE(st.tail_bytes + st.store_bytes, st.resident_bytes) << what;
 }
 
+// Once a cache is gone the runtime holds what it held before the cache was made.
+void expect_nothing_held(const held& base, const std::string& what) {
+  const held after = runtime_held();
+  EXPECT_EQ(after.device, base.device) << what;
+  EXPECT_EQ(after.pinned, base.pinned) << what;
+}
+
 // n tokens for `id` (reserve, host-row writes, commit), `check` after each call.
 template <class C, class Check>
 void step(C& c, seq_id id, std::size_t n, std::uint32_t seed, Check check, const std::string& what) {
@@ -123,9 +130,7 @@ TEST(cuda_stats, contiguous_resident_bytes_are_the_runtime_allocations) {
     KVCACHE_ASSERT_OK(c.release(ids[0]));
     check(0, "release");
   }
-  const held after = runtime_held();
-  EXPECT_EQ(after.device, base.device);
-  EXPECT_EQ(after.pinned, base.pinned);
+  expect_nothing_held(base, "destroyed");
 }
 
 TEST(cuda_stats, paged_resident_bytes_are_the_runtime_allocations) {
@@ -159,9 +164,7 @@ TEST(cuda_stats, paged_resident_bytes_are_the_runtime_allocations) {
       KVCACHE_ASSERT_OK(c.release(ids[0]));
       check(0, "release");
     }
-    const held after = runtime_held();
-    EXPECT_EQ(after.device, base.device) << what;
-    EXPECT_EQ(after.pinned, base.pinned) << what;
+    expect_nothing_held(base, what + "destroyed");
   }
 }
 
@@ -184,9 +187,7 @@ TEST(cuda_stats, two_tier_device_and_pinned_bytes_are_the_runtime_allocations) {
     KVCACHE_ASSERT_OK(c.release(ids[0]));
     check(0, "release");
   }
-  const held after = runtime_held();
-  EXPECT_EQ(after.device, base.device);
-  EXPECT_EQ(after.pinned, base.pinned);
+  expect_nothing_held(base, "destroyed");
 }
 
 }  // namespace
