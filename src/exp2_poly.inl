@@ -6,3 +6,9 @@
 // more.
 constexpr float exp2_c0 = 1.00000012f, exp2_c1 = 0.693146944f, exp2_c2 = 0.240221202f, exp2_c3 = 0.0555071309f,
                 exp2_c4 = 0.00967554096f, exp2_c5 = 0.00132764725f;
+
+// The degree-3 minimax polynomial (relative error, Remez) of 2^f on |f| <= 0.5: relative error
+// 7.5e-5 with these float coefficients. For the fused Q4 steps' weights only, which are rounded
+// to 8 bits (a step of 1/255 of the tile's largest) right after (exp2_simd.inl, exp2_weights).
+constexpr float exp2_d3_c0 = 0.999928057f, exp2_d3_c1 = 0.693260968f, exp2_d3_c2 = 0.242611125f,
+                exp2_d3_c3 = 0.0551716685f;

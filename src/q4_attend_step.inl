@@ -114,7 +114,7 @@ void attend_nq(const float* q, const q4_group_ref* g, unsigned hd, float* run_ma
     const S::vf tv = S::set1(tmax);
 #pragma GCC unroll 16
     for (unsigned r = 0; r < R * G; ++r) {
-      const S::vf ur = S::keep(exp2_nonpositive(S::sub(x[r], tv)), live[r]);
+      const S::vf ur = S::keep(exp2_weights(S::sub(x[r], tv)), live[r]);
       S::store(u[i] + W * r, ur);
       sum = S::add(sum, ur);
     }

@@ -918,7 +918,9 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
               for (std::size_t j = 0; j < n; ++j)
                 for (std::uint32_t tt = 0; tt < list[j]; ++tt) wsum += std::exp2(s[j][i * 32 + tt] - m);
               const double want_sum = sum0[1 + i] * corr + wsum;
-              ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-5 * want_sum + 1e-30) << "i=" << i;
+              // The step's weights are 2^x to 7.5e-5 relative (exp2_weights): float rounding aside,
+              // their sum is within 7.5e-5 of it as well.
+              ASSERT_NEAR(run_sum[1 + i], want_sum, 1e-4 * want_sum + 1e-30) << "i=" << i;
               for (std::uint32_t d = 0; d < hd; ++d) {
                 double ref = acc0[1 + i * hd + d] * corr, mag = std::abs(ref), bound = 0;
                 for (const std::vector<std::size_t>& tile : tiles) {
@@ -937,8 +939,9 @@ TEST_P(Kernels, AttendQ4StepMatchesItsParts) {
                     }
                   bound += (0.5 + 1e-4) * wmax * smax / 255.0 * centred;
                 }
-                // The weights carry the polynomial exp2's error (~1e-6 relative) besides rounding.
-                const double tol = 1e-5 * mag + (int8 ? bound : 0.0) + 1e-30;
+                // The weights carry their exp2's error (7.5e-5 relative, exp2_weights) besides
+                // their rounding to the grid.
+                const double tol = 1e-4 * mag + (int8 ? bound : 0.0) + 1e-30;
                 ASSERT_NEAR(acc[1 + i * hd + d], ref, tol) << "i=" << i << " d=" << d;
               }
             }

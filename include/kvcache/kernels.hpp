@@ -135,7 +135,8 @@ struct table {
   /// tiles, two groups a tile (a last odd one alone): for each query i, s_t = its scores over the
   /// tile's tokens as scores_q4 computes them, m = max(run_max[i], max_t s_t); where m exceeds
   /// run_max[i], acc[i][..] and run_sum[i] are scaled by 2^(run_max[i] - m) (by 0 while
-  /// run_max[i] is -inf); then with w_t = 2^(s_t - m): run_sum[i] += sum_t w_t,
+  /// run_max[i] is -inf); then with w_t = 2^(s_t - m) (to 7.5e-5 relative: the step's weights
+  /// go to 8 bits, and a cubic exp2 serves them): run_sum[i] += sum_t w_t,
   /// acc[i][..] += sum_t w_t v_t as accumulate_q4 sums it (in int8 arithmetic with the weights on
   /// one grid over the tile), run_max[i] = m.
   /// One call instead of three per group, with the scores and weights of four queries kept side
