@@ -112,13 +112,20 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 // into L2 measured 0.76x there, the value codes'), else into L2 (prefetcht1): on Intel cores every
 // software prefetch holds a line fill buffer until its line arrives, as a load does, and one that
 // fills only L2 holds it for less (attend over a two-tier cache at 32k, 1 thread: 1.24x against
-// L1 on an Intel VM). The choice is one predictable branch a line.
+// L1 on an Intel VM). The choice is one predictable branch a line, and the dot-product loops make it
+// once a call (line_at).
 // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", mirror)
 struct mirror {
   std::uintptr_t d = 0;
   bool l1 = false;
   __attribute__((always_inline)) void line(const void* p) const {
     prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, l1);
+  }
+  // The same at level L1 (l1, known at compile time): for the dot-product loops, which pick
+  // their level once a call (see key_dots).
+  template <bool L1>
+  __attribute__((always_inline)) void line_at(const void* p) const {
+    prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, L1);
   }
 };
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
@@ -190,27 +197,34 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
     a[0][i][1] = acc[i][1];
     a[1][i][0] = a[1][i][1] = _mm512_setzero_si512();
   }
-  auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
-    ahead.line(codes + 64 * j);
-    const __m512i x = _mm512_loadu_si512(codes + 64 * j);
-    const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
+  // The loop once for each prefetch level, the level picked once a call rather than a line
+  // (attend over a two-tier cache 1.015-1.026x at 32k, 1.012-1.023x at 4k from the L3; in-process
+  // alternation, session 68).
+  auto quads_at = [&]<bool L1>() __attribute__((always_inline)) {
+    auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
+      ahead.line_at<L1>(codes + 64 * j);
+      const __m512i x = _mm512_loadu_si512(codes + 64 * j);
+      const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
-    for (unsigned i = 0; i < NQ; ++i) {
-      const __m512i yb = _mm512_set1_epi32(dword_at(ys + i * key_chunk + 4 * j));
-      dpbusd(a[u][i][0], lo, yb);
-      dpbusd(a[u][i][1], hi16, yb);
+      for (unsigned i = 0; i < NQ; ++i) {
+        const __m512i yb = _mm512_set1_epi32(dword_at(ys + i * key_chunk + 4 * j));
+        dpbusd(a[u][i][0], lo, yb);
+        dpbusd(a[u][i][1], hi16, yb);
+      }
+    };
+    unsigned j = 0;
+    for (; j + 2 <= quads; j += 2) {
+      if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
+      quad(j, 0);
+      quad(j + 1, 1);
+    }
+    if (j < quads) {
+      pf.rows(1);
+      quad(j, 0);
     }
   };
-  unsigned j = 0;
-  for (; j + 2 <= quads; j += 2) {
-    if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
-    quad(j, 0);
-    quad(j + 1, 1);
-  }
-  if (j < quads) {
-    pf.rows(1);
-    quad(j, 0);
-  }
+  if (ahead.l1) quads_at.template operator()<true>();
+  else quads_at.template operator()<false>();
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
     acc[i][0] = _mm512_add_epi32(a[0][i][0], a[1][i][0]);
@@ -445,38 +459,45 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
   for (unsigned c = 0; c < NC; ++c)
 #pragma GCC unroll 8
     for (unsigned i = 0; i < NQ; ++i) a0[c][i] = a1[c][i] = _mm512_setzero_si512();
+  // The loop once for each prefetch level, picked once a call (as in key_dots: attend over a
+  // two-tier cache 1.007-1.015x at 32k with 1 thread, 1.005-1.013x with 2; in-process
+  // alternation, session 68).
+  auto groups_at = [&]<bool L1>() __attribute__((always_inline)) {
 #pragma GCC unroll 2
-  for (unsigned gi = 0; gi < G; ++gi) {
-    const std::uint8_t* codes = tg.v[gi] + at;
-    const std::uint8_t* wg = w + 32 * gi;
-    auto quad = [&](unsigned j) __attribute__((always_inline)) {
+    for (unsigned gi = 0; gi < G; ++gi) {
+      const std::uint8_t* codes = tg.v[gi] + at;
+      const std::uint8_t* wg = w + 32 * gi;
+      auto quad = [&](unsigned j) __attribute__((always_inline)) {
 #pragma GCC unroll 2
-      for (unsigned c = 0; c < NC; ++c) {
-        tg.ahead[gi].line(codes + std::size_t{512} * c + 64 * j);
-        const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
-        // (a & b) ^ c: imm 0x6A.
-        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
-        const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
+        for (unsigned c = 0; c < NC; ++c) {
+          tg.ahead[gi].template line_at<L1>(codes + std::size_t{512} * c + 64 * j);
+          const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
+          // (a & b) ^ c: imm 0x6A.
+          const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
+          const __m512i hi = _mm512_ternarylogic_epi32(x, nib_hi, sign, 0x6A);
 #pragma GCC unroll 8
-        for (unsigned i = 0; i < NQ; ++i) {
-          const __m512i wi = _mm512_set1_epi32(dword_at(wg + i * w_stride + 32 * G * c + 4 * j));
-          dpbusd(a0[c][i], wi, lo);
-          dpbusd(a1[c][i], wi, hi);
+          for (unsigned i = 0; i < NQ; ++i) {
+            const __m512i wi = _mm512_set1_epi32(dword_at(wg + i * w_stride + 32 * G * c + 4 * j));
+            dpbusd(a0[c][i], wi, lo);
+            dpbusd(a1[c][i], wi, hi);
+          }
         }
+      };
+      const unsigned q1 = Full ? 8 : tg.q1[gi];
+      unsigned j = Full ? 0 : tg.q0[gi];
+      for (; j + 2 <= q1; j += 2) {
+        pf.rows(2 * NC);
+        quad(j);
+        quad(j + 1);
       }
-    };
-    const unsigned q1 = Full ? 8 : tg.q1[gi];
-    unsigned j = Full ? 0 : tg.q0[gi];
-    for (; j + 2 <= q1; j += 2) {
-      pf.rows(2 * NC);
-      quad(j);
-      quad(j + 1);
+      if (j < q1) {
+        pf.rows(NC);
+        quad(j);
+      }
     }
-    if (j < q1) {
-      pf.rows(NC);
-      quad(j);
-    }
-  }
+  };
+  if (tg.ahead[0].l1) groups_at.template operator()<true>();
+  else groups_at.template operator()<false>();
 #pragma GCC unroll 2
   for (unsigned c = 0; c < NC; ++c) {
     const unsigned ch = hd_left - 32 * c < 32 ? hd_left - 32 * c : 32;
