@@ -128,6 +128,12 @@ struct mirror {
     prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, L1);
   }
 };
+// m.line(p) at level PL: -1 m's own (a branch), 0 L2, 1 L1 (known at compile time).
+template <int PL>
+__attribute__((always_inline)) inline void ahead_line(const mirror& m, const void* p) {
+  if constexpr (PL < 0) m.line(p);
+  else m.line_at<PL == 1>(p);
+}
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
   return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group),
           prefetch_to_l1};
@@ -248,7 +254,7 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 struct nothing {
   void operator()() const {}
 };
-template <unsigned NQ, unsigned G, unsigned HD = 0, class Between = nothing>
+template <unsigned NQ, unsigned G, unsigned HD = 0, int PL = -1, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
                                                        Between between = {}, bool pull = false) {
@@ -278,10 +284,10 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi) {
       if (c % 32 == 0) {  // a line of scales and one of minimums per 32 channels
-        ahead[gi].line(gr[gi].k + key_scales_at(hd) + 2 * c);
-        ahead[gi].line(gr[gi].k + key_mins_at(hd) + 2 * c);
+        ahead_line<PL>(ahead[gi], gr[gi].k + key_scales_at(hd) + 2 * c);
+        ahead_line<PL>(ahead[gi], gr[gi].k + key_mins_at(hd) + 2 * c);
       }
-      if (pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
+      if (PL != 1 && pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
         const unsigned parts = (hd + 15) / 16;
         pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16);
         pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16);
@@ -557,7 +563,7 @@ __attribute__((always_inline)) inline void column_halves(const std::uint8_t* h, 
 }
 
 // The column_scales of columns g0 .. g0 + nc - 1 (nc <= value_columns) of the tile's groups.
-template <unsigned G>
+template <unsigned G, int PL = -1>
 __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>& tg, unsigned hd, unsigned g0,
                                                            unsigned nc, column_scales<G>& cs) {
   __m512 sl[4][G], sh[4][G], sm[4];
@@ -567,8 +573,8 @@ __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>&
     if (c < nc) {
 #pragma GCC unroll 2
       for (unsigned gi = 0; gi < G; ++gi) {
-        tg.ahead[gi].line(tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
-        tg.ahead[gi].line(tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
+        ahead_line<PL>(tg.ahead[gi], tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
+        ahead_line<PL>(tg.ahead[gi], tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
         column_halves(tg.v[gi] + value_scales_at(hd), g0 + c, tg.tm[gi], sl[c][gi], sh[c][gi]);
         sm[c] = _mm512_max_ps(sm[c], _mm512_max_ps(sl[c][gi], sh[c][gi]));
       }
@@ -603,7 +609,7 @@ __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>&
 // round(u s 255 / max_t s) (every one <= 255: p s on one grid of step = us max_t s / 255 for all G
 // groups, whose integer sums therefore add up before the float epilogue), and the bases
 // us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
-template <unsigned NQ, unsigned G>
+template <unsigned NQ, unsigned G, int PL = -1>
 __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G], __m512 us, const tile_groups<G>& tg,
                                                      unsigned hd, float* acc, line_prefetch& pf,
                                                      const column_scales<G>* first = nullptr) {
@@ -620,7 +626,7 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G
   for (unsigned g0 = 0; g0 < nb; g0 += value_columns) {
     const unsigned nc = nb - g0 < value_columns ? nb - g0 : value_columns;
     const column_scales<G>* cs = g0 == 0 && first != nullptr ? first : &own;
-    if (cs == &own) prepare_columns<G>(tg, hd, g0, nc, own);
+    if (cs == &own) prepare_columns<G, PL>(tg, hd, g0, nc, own);
     // The bases' sums, column by column, each column's four reduced at once (sum4_of_column).
     __m512 bcol[4];
 #pragma GCC unroll 4
@@ -729,13 +735,13 @@ using S = avx512_float_ops;
 // and one float epilogue (two groups a tile halve the set-up that is per tile rather than per
 // group). Keys wider than int8_key_channels go to the float kernel, as in scores_q4.
 // HD: hd known at compile time (0: not), see attend_nq below.
-template <unsigned NQ, unsigned G, unsigned HD>
+template <unsigned NQ, unsigned G, unsigned HD, int PL = -1>
 void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                   line_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
   // Heads of 64 to 128 channels pull their lines into L1 where the step prefetches into L2
   // (pull_part; session 50: 32 and 256 channels ran slower so).
-  const bool pull = !prefetch_to_l1 && hd >= 64 && hd <= 128;
+  const bool pull = PL != 1 && !prefetch_to_l1 && hd >= 64 && hd <= 128;
   __m512 s[G][NQ][2], mx[4];
   tile_groups<G> tg;
   __mmask16 m[G][2];
@@ -752,9 +758,9 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   }
   const unsigned nb = value_blocks(hd);
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
-  auto prepare = [&] { prepare_columns<G>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
+  auto prepare = [&] { prepare_columns<G, PL>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, HD>(q, gr, hd, s, pf, prepare, pull);
+    scores_of<NQ, G, HD, PL>(q, gr, hd, s, pf, prepare, pull);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
@@ -837,7 +843,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
       pull_part(gr[gi].ahead_k + key_scales_at(hd), (key_channels(hd) + 15) / 16, 1, 0);
       pull_part(gr[gi].ahead_v + value_scales_at(hd), 2 * value_blocks(hd), 1, 0);
     }
-  values_nq<NQ, G>(u, us, tg, hd, acc, pf, &first);
+  values_nq<NQ, G, PL>(u, us, tg, hd, acc, pf, &first);
 }
 
 // The step for head_dim 128 (most models' head size) is compiled for it: its loops over channels
@@ -847,11 +853,18 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
 // 1.09-1.10x, attend over a two-tier cache at 32k 1.06x, for about 14 KB of code a (NQ, G) pair.
 // head_dim 64 (small models': Llama 3.2 1B) too: attend 1.08x at 32k with 1 thread. Not 256: at
 // 32k the stream of the store, not the step, sets the pace (0.93x).
+// Where the step prefetches into L1 (Zen 5 and later), the step for head_dim 128 is compiled for
+// that too (PL = 1): its ahead lines with no branch on the level, and no pull (pull_part) code. On
+// Zen 5 (in-process alternation, session 68): attend over a two-tier cache 1.04-1.08x at 32k with
+// 1 thread, 1.00-1.02x with 2, 1.04-1.07x at 4k from the L3 (1.09 with 2); about 65 KB of code.
 // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", attend_nq)
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                line_prefetch& pf) {
-  if (hd == 128) attend_nq_hd<NQ, G, 128>(q, gr, hd, run_max, run_sum, acc, pf);
+  if (hd == 128) {
+    if (prefetch_to_l1) attend_nq_hd<NQ, G, 128, 1>(q, gr, hd, run_max, run_sum, acc, pf);
+    else attend_nq_hd<NQ, G, 128>(q, gr, hd, run_max, run_sum, acc, pf);
+  }
   else if (hd == 64) attend_nq_hd<NQ, G, 64>(q, gr, hd, run_max, run_sum, acc, pf);
   else attend_nq_hd<NQ, G, 0>(q, gr, hd, run_max, run_sum, acc, pf);
 }
