@@ -188,9 +188,9 @@ __attribute__((always_inline)) inline __m512 reduce4(const __m512 (&x)[4], Op op
 // `codes`. Two sets of accumulators (even and odd quads) halve the chains of dependent vpdpbusd.
 // Out of line: inlined into the fused step, GCC 12 kept the accumulators in memory, a load and a
 // store around every vpdpbusd. Quads: `quads` known at compile time (0: not), see attend_nq.
-// Prefetched: the region pf (the separate scores kernel's) spread over the quads, and each quad's
-// line at the ahead group (the fused step's).
-template <unsigned NQ, unsigned Quads = 0>
+// Prefetched: the region pf (the separate scores kernel's) spread over the quads (where Rows: the
+// fused step has none), and each quad's line at the ahead group (the fused step's).
+template <unsigned NQ, unsigned Quads = 0, bool Rows = true>
 __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quads, const std::int8_t* ys,
                                         __m512i (&acc)[NQ][2], line_prefetch& pfr, mirror ahead) {
   if constexpr (Quads != 0) quads = Quads;
@@ -220,12 +220,12 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
     };
     unsigned j = 0;
     for (; j + 2 <= quads; j += 2) {
-      if (j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
+      if (Rows && j % 4 == 0) pf.rows(quads - j >= 4 ? 4 : 2);
       quad(j, 0);
       quad(j + 1, 1);
     }
     if (j < quads) {
-      pf.rows(1);
+      if (Rows) pf.rows(1);
       quad(j, 0);
     }
   };
@@ -254,7 +254,7 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 struct nothing {
   void operator()() const {}
 };
-template <unsigned NQ, unsigned G, unsigned HD = 0, int PL = -1, class Between = nothing>
+template <unsigned NQ, unsigned G, unsigned HD = 0, int PL = -1, bool Rows = true, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
                                                        Between between = {}, bool pull = false) {
@@ -385,7 +385,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
     // quad of a head_dim that is not a multiple of 4 has codes 0 past it, and Y is 0 there.
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi)
-      key_dots<NQ, (HD != 0 && HD <= key_chunk) ? (HD + 3) / 4 : 0>(gr[gi].k + std::size_t{16} * c0, (nd + 3) / 4,
+      key_dots<NQ, (HD != 0 && HD <= key_chunk) ? (HD + 3) / 4 : 0, Rows>(gr[gi].k + std::size_t{16} * c0, (nd + 3) / 4,
                                                                    &ys[gi][0][0], acc[gi], pf, ahead[gi]);
   }
 #pragma GCC unroll 2
@@ -453,7 +453,7 @@ struct column_weights {
 // Full: every group's token quads are 0..7 (all 32 tokens in range), a loop of fixed length.
 // Prefetched: the region pf spread over the quads, and each row's line at its group's ahead group
 // (tg.ahead).
-template <unsigned NQ, unsigned NC, unsigned G, bool Full = false>
+template <unsigned NQ, unsigned NC, unsigned G, bool Full = false, bool Rows = true>
 __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::size_t at, const std::uint8_t* w,
                                                 std::size_t w_stride, const float* step, const float* base,
                                                 std::size_t sb_stride, unsigned hd_left, float* acc,
@@ -492,12 +492,12 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
       const unsigned q1 = Full ? 8 : tg.q1[gi];
       unsigned j = Full ? 0 : tg.q0[gi];
       for (; j + 2 <= q1; j += 2) {
-        pf.rows(2 * NC);
+        if (Rows) pf.rows(2 * NC);
         quad(j);
         quad(j + 1);
       }
       if (j < q1) {
-        pf.rows(NC);
+        if (Rows) pf.rows(NC);
         quad(j);
       }
     }
@@ -609,7 +609,7 @@ __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>&
 // round(u s 255 / max_t s) (every one <= 255: p s on one grid of step = us max_t s / 255 for all G
 // groups, whose integer sums therefore add up before the float epilogue), and the bases
 // us sum_t u_t (m_t + 8 s_t) (the batch's in one tree).
-template <unsigned NQ, unsigned G, int PL = -1>
+template <unsigned NQ, unsigned G, int PL = -1, bool Rows = true>
 __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G], __m512 us, const tile_groups<G>& tg,
                                                      unsigned hd, float* acc, line_prefetch& pf,
                                                      const column_scales<G>* first = nullptr) {
@@ -658,15 +658,16 @@ __attribute__((always_inline)) inline void values_nq(const __m512 (&u)[NQ][2 * G
     for (; c + 2 <= nc; c += 2) {
       const std::size_t at = std::size_t{512} * (g0 + c);
       if (full)
-        value_columns_of<NQ, 2, G, true>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4,
-                                         hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+        value_columns_of<NQ, 2, G, true, Rows>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4,
+                                               hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
       else
-        value_columns_of<NQ, 2, G>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4, hd - 32 * (g0 + c),
-                                   acc + 32 * (g0 + c), hd, pf);
+        value_columns_of<NQ, 2, G, false, Rows>(tg, at, cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c, 4,
+                                                hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
     }
     if (c < nc)
-      value_columns_of<NQ, 1, G>(tg, std::size_t{512} * (g0 + c), cw.w[0][c], sizeof cw.w[0], cw.step + c, cw.base + c,
-                                 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c), hd, pf);
+      value_columns_of<NQ, 1, G, false, Rows>(tg, std::size_t{512} * (g0 + c), cw.w[0][c], sizeof cw.w[0],
+                                              cw.step + c, cw.base + c, 4, hd - 32 * (g0 + c), acc + 32 * (g0 + c),
+                                              hd, pf);
   }
 }
 
@@ -739,6 +740,10 @@ template <unsigned NQ, unsigned G, unsigned HD, int PL = -1>
 void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
                   line_prefetch& pf) {
   if constexpr (HD != 0) hd = HD;
+  // The step prefetches its ahead groups itself (attend_q4 runs attend_q4_by_tiles without
+  // `spread`): pf holds no region, and the dot-product loops skip its rows (Rows = false; 1.005-1.02x
+  // in attend over a two-tier cache, session 68).
+  assert(pf.step == 0);
   // Heads of 64 to 128 channels pull their lines into L1 where the step prefetches into L2
   // (pull_part; session 50: 32 and 256 channels ran slower so).
   const bool pull = PL != 1 && !prefetch_to_l1 && hd >= 64 && hd <= 128;
@@ -760,7 +765,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
   auto prepare = [&] { prepare_columns<G, PL>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, HD, PL>(q, gr, hd, s, pf, prepare, pull);
+    scores_of<NQ, G, HD, PL, false>(q, gr, hd, s, pf, prepare, pull);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
@@ -843,7 +848,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
       pull_part(gr[gi].ahead_k + key_scales_at(hd), (key_channels(hd) + 15) / 16, 1, 0);
       pull_part(gr[gi].ahead_v + value_scales_at(hd), 2 * value_blocks(hd), 1, 0);
     }
-  values_nq<NQ, G, PL>(u, us, tg, hd, acc, pf, &first);
+  values_nq<NQ, G, PL, false>(u, us, tg, hd, acc, pf, &first);
 }
 
 // The step for head_dim 128 (most models' head size) is compiled for it: its loops over channels
