@@ -862,6 +862,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
 // that too (PL = 1): its ahead lines with no branch on the level, and no pull (pull_part) code. On
 // Zen 5 (in-process alternation, session 68): attend over a two-tier cache 1.04-1.08x at 32k with
 // 1 thread, 1.00-1.02x with 2, 1.04-1.07x at 4k from the L3 (1.09 with 2); about 65 KB of code.
+// Not at head_dim 64: built so, its step ran 0.97-0.98x with 1 thread and 0.96x with 2.
 // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", attend_nq)
 template <unsigned NQ, unsigned G>
 void attend_nq(const float* q, const q4_group_ref* gr, unsigned hd, float* run_max, float* run_sum, float* acc,
