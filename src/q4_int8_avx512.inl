@@ -795,11 +795,12 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   alignas(64) float tile_max[16];
   const __m512 tmax = reduce4(mx, max_of);
   _mm512_store_ps(tile_max, tmax);
-  // The weights w_t = 2^(s_t - m_new) as u_t us: u_t = 2^(s_t - tile max) (the top token's 1),
-  // us = 2^(tile max - m_new) (lanes 4 i ..).
-  // u_t by the cubic exp2_weights (7.5e-5 relative), as they go to 8 bits: two FMAs fewer a
-  // vector than exp2_nonpositive, attend over a two-tier cache 1.010-1.014x at 32k (1 thread; 1.014
-  // with 2; 1.006-1.015 at 4k from the L3; in-process alternation, session 68).
+  // The weights w_t = 2^(s_t - m_new) as u_t us: u_t = 2^(s_t - tile max) (the top token's 1, to
+  // 7.5e-5), us = 2^(tile max - m_new) (lanes 4 i ..).
+  // u_t by the cubic exp2_weights (7.5e-5 relative), as they go to 8 bits next (at most
+  // round(255 (1 + 7.5e-5)) = 255: no weight leaves u8): two FMAs fewer a vector than
+  // exp2_nonpositive, attend over a two-tier cache 1.010-1.014x at 32k (1 thread; 1.014 with 2;
+  // 1.006-1.015 at 4k from the L3; in-process alternation, session 68).
   const __m512 m_new_v = _mm512_max_ps(
       tmax, _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2),
                                   _mm512_maskz_loadu_ps(lanes_mask(NQ), run_max)));
