@@ -112,28 +112,20 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 // into L2 measured 0.76x there, the value codes'), else into L2 (prefetcht1): on Intel cores every
 // software prefetch holds a line fill buffer until its line arrives, as a load does, and one that
 // fills only L2 holds it for less (attend over a two-tier cache at 32k, 1 thread: 1.24x against
-// L1 on an Intel VM). The choice is one predictable branch a line, and the dot-product loops make it
-// once a call (line_at).
+// L1 on an Intel VM). The choice is one predictable branch a line (line_at<-1>), and the
+// dot-product loops make it once a call.
 // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", mirror)
 struct mirror {
   std::uintptr_t d = 0;
   bool l1 = false;
-  __attribute__((always_inline)) void line(const void* p) const {
-    prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, l1);
-  }
-  // The same at level L1 (l1, known at compile time): for the dot-product loops, which pick
-  // their level once a call (see key_dots).
-  template <bool L1>
+  // The line mirroring p, at level PL: -1 l1's (a branch a line), 0 L2, 1 L1 (known at compile
+  // time: the dot-product loops pick it once a call, see key_dots; the step for head_dim 128 once,
+  // see attend_nq).
+  template <int PL>
   __attribute__((always_inline)) void line_at(const void* p) const {
-    prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, L1);
+    prefetch_line(reinterpret_cast<std::uintptr_t>(p) + d, PL < 0 ? l1 : PL == 1);
   }
 };
-// m.line(p) at level PL: -1 m's own (a branch), 0 L2, 1 L1 (known at compile time).
-template <int PL>
-__attribute__((always_inline)) inline void ahead_line(const mirror& m, const void* p) {
-  if constexpr (PL < 0) m.line(p);
-  else m.line_at<PL == 1>(p);
-}
 inline mirror mirror_of(const std::uint8_t* group, const std::uint8_t* ahead) {
   return {ahead == nullptr ? 0 : reinterpret_cast<std::uintptr_t>(ahead) - reinterpret_cast<std::uintptr_t>(group),
           prefetch_to_l1};
@@ -206,9 +198,9 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
   // The loop once for each prefetch level, the level picked once a call rather than a line
   // (attend over a two-tier cache 1.015-1.026x at 32k, 1.012-1.023x at 4k from the L3; in-process
   // alternation, session 68).
-  auto quads_at = [&]<bool L1>() __attribute__((always_inline)) {
+  auto quads_at = [&]<int PL>() __attribute__((always_inline)) {
     auto quad = [&](unsigned j, unsigned u) __attribute__((always_inline)) {
-      ahead.line_at<L1>(codes + 64 * j);
+      ahead.line_at<PL>(codes + 64 * j);
       const __m512i x = _mm512_loadu_si512(codes + 64 * j);
       const __m512i lo = _mm512_and_si512(x, nib_lo), hi16 = _mm512_and_si512(x, nib_hi);
 #pragma GCC unroll 8
@@ -229,8 +221,8 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
       quad(j, 0);
     }
   };
-  if (ahead.l1) quads_at.template operator()<true>();
-  else quads_at.template operator()<false>();
+  if (ahead.l1) quads_at.template operator()<1>();
+  else quads_at.template operator()<0>();
 #pragma GCC unroll 8
   for (unsigned i = 0; i < NQ; ++i) {
     acc[i][0] = _mm512_add_epi32(a[0][i][0], a[1][i][0]);
@@ -284,8 +276,8 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi) {
       if (c % 32 == 0) {  // a line of scales and one of minimums per 32 channels
-        ahead_line<PL>(ahead[gi], gr[gi].k + key_scales_at(hd) + 2 * c);
-        ahead_line<PL>(ahead[gi], gr[gi].k + key_mins_at(hd) + 2 * c);
+        ahead[gi].template line_at<PL>(gr[gi].k + key_scales_at(hd) + 2 * c);
+        ahead[gi].template line_at<PL>(gr[gi].k + key_mins_at(hd) + 2 * c);
       }
       if (PL != 1 && pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
         const unsigned parts = (hd + 15) / 16;
@@ -468,7 +460,7 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
   // The loop once for each prefetch level, picked once a call (as in key_dots: attend over a
   // two-tier cache 1.007-1.015x at 32k with 1 thread, 1.005-1.013x with 2; in-process
   // alternation, session 68).
-  auto groups_at = [&]<bool L1>() __attribute__((always_inline)) {
+  auto groups_at = [&]<int PL>() __attribute__((always_inline)) {
 #pragma GCC unroll 2
     for (unsigned gi = 0; gi < G; ++gi) {
       const std::uint8_t* codes = tg.v[gi] + at;
@@ -476,7 +468,7 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
       auto quad = [&](unsigned j) __attribute__((always_inline)) {
 #pragma GCC unroll 2
         for (unsigned c = 0; c < NC; ++c) {
-          tg.ahead[gi].template line_at<L1>(codes + std::size_t{512} * c + 64 * j);
+          tg.ahead[gi].template line_at<PL>(codes + std::size_t{512} * c + 64 * j);
           const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
           // (a & b) ^ c: imm 0x6A.
           const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 4), nib_hi, sign, 0x6A);
@@ -502,8 +494,8 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
       }
     }
   };
-  if (tg.ahead[0].l1) groups_at.template operator()<true>();
-  else groups_at.template operator()<false>();
+  if (tg.ahead[0].l1) groups_at.template operator()<1>();
+  else groups_at.template operator()<0>();
 #pragma GCC unroll 2
   for (unsigned c = 0; c < NC; ++c) {
     const unsigned ch = hd_left - 32 * c < 32 ? hd_left - 32 * c : 32;
@@ -573,8 +565,8 @@ __attribute__((always_inline)) inline void prepare_columns(const tile_groups<G>&
     if (c < nc) {
 #pragma GCC unroll 2
       for (unsigned gi = 0; gi < G; ++gi) {
-        ahead_line<PL>(tg.ahead[gi], tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
-        ahead_line<PL>(tg.ahead[gi], tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
+        tg.ahead[gi].template line_at<PL>(tg.v[gi] + value_scales_at(hd) + 64 * (g0 + c));
+        tg.ahead[gi].template line_at<PL>(tg.v[gi] + value_mins_at(hd) + 64 * (g0 + c));
         column_halves(tg.v[gi] + value_scales_at(hd), g0 + c, tg.tm[gi], sl[c][gi], sh[c][gi]);
         sm[c] = _mm512_max_ps(sm[c], _mm512_max_ps(sl[c][gi], sh[c][gi]));
       }
