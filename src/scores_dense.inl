@@ -194,12 +194,69 @@ void scores_dense_heads(const float* q, std::size_t q_head_stride, std::uint32_t
                                   out_head_stride, out_stride, pf);
 }
 
+// The scores of passes x NQ queries over segs[0, count): each segment's passes in turn, as
+// scores_head takes them (a segment longer than its token tile through scores_head itself), the
+// score tile inlined into the loop over tokens. Against scores_head for every segment (its query
+// passes and token tiles worked out, and a switch taken, every 16-token block; the tile a call
+// every 4 tokens), the split worked out once a call measured 1.024-1.031x at 4k tokens from the
+// L3 with 1 thread, 1.035-1.068x at 32k from memory (1.042x with 2 threads; 1.01-1.05x with 8,
+// 48 and 64 queries), and the tile inlined on top of it 1.018-1.022x at 4k, 0.991-1.032x at 32k
+// (1.013-1.041x with 2 threads): Zen 5 VM, paged f16 16-token blocks, 8 kv heads x 128, 32
+// queries, in-process alternation. (scores_dense_segments' note of session 64 had found the
+// inlined tile no faster with the per-segment split.)
+// (measurements: bench/PERFORMANCE.md, session 69)
+template <unsigned NQ, unsigned HD, bool Held, class K>
+void segments_nq(const float* q, unsigned passes, const key_segment* segs, std::uint32_t count,
+                 std::uint32_t head_dim, float* out, std::size_t out_stride, unsigned tile, row_prefetch& pf) {
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const K* k = static_cast<const K*>(segs[j].k);
+    float* o = out + segs[j].out_offset;
+    if (passes > 1 && segs[j].tokens > tile) {
+      scores_head<HD, Held, false>(q, passes * NQ, k, segs[j].tokens, head_dim, o, out_stride, tile, pf);
+      continue;
+    }
+    for (unsigned i = 0; i < passes; ++i)
+      scores_nq<NQ, HD, Held, true>(q + std::size_t(i) * NQ * head_dim, k, segs[j].tokens, head_dim,
+                                    o + i * NQ * out_stride, out_stride, pf);
+  }
+}
+
+// segments_nq for head_dim HD (0: any) where the queries split into equal passes of at most
+// V::score_queries; false where they do not (5 queries: 3 + 2).
+template <unsigned HD, bool Held, class K>
+bool segments_equal_passes(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
+                           std::uint32_t head_dim, float* out, std::size_t out_stride, unsigned tile,
+                           row_prefetch& pf) {
+  const unsigned passes = score_passes(nq), n = nq / passes;
+  if (n * passes != nq) return false;
+  switch (n) {
+    case 1: segments_nq<1, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+    case 2: segments_nq<2, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+    case 3: segments_nq<3, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+    case 4: segments_nq<4, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+    default:
+      if constexpr (V::score_queries >= 8) {
+        switch (n) {
+          case 5: segments_nq<5, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+          case 6: segments_nq<6, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+          case 7: segments_nq<7, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+          case 8: segments_nq<8, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+          default: return false;
+        }
+      }
+      return false;
+  }
+}
+
 // The scores of one head over segs[0, count), each segment as one scores_f16 / scores_f32 call
 // of its own takes it (the same results), pf spread over all of their rows (rows_held where Held).
 template <bool Held, class K>
 void scores_of_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,
                         std::uint32_t head_dim, float* out, std::size_t out_stride, row_prefetch& pf) {
   const unsigned tile = score_token_tile<K>(head_dim);
+  if (head_dim == 128 ? segments_equal_passes<128, Held, K>(q, nq, segs, count, head_dim, out, out_stride, tile, pf)
+                      : segments_equal_passes<0, Held, K>(q, nq, segs, count, head_dim, out, out_stride, tile, pf))
+    return;
   for (std::uint32_t j = 0; j < count; ++j) {
     const K* k = static_cast<const K*>(segs[j].k);
     if (head_dim == 128)
@@ -212,9 +269,9 @@ void scores_of_segments(const float* q, std::uint32_t nq, const key_segment* seg
 // The scores of one head over several runs of keys (table::scores_f16_segments: a tile's paged
 // blocks, scored head after head), in one call rather than one a block: the call's set-up, its
 // prefetch cursor and the table's indirect call once per tile instead of once per 16-token block.
-// The score tile stays a call of its own, as in the one-head kernels: inlined into the loop (as
-// scores_dense_heads has it) the kernel measured no faster than one call a block, out of line
-// 1.00-1.03x (Zen 5 VM, paged f16 blocks of 16 tokens, 256-token tiles, in-process alternation).
+// One call measured 1.00-1.03x against one a block (Zen 5 VM, paged f16 blocks of 16 tokens,
+// 256-token tiles, in-process alternation); its segments take segments_nq where the queries split
+// evenly, with the score tile inlined.
 // (measurements: bench/PERFORMANCE.md, sessions 63-64)
 template <class K>
 void scores_dense_segments(const float* q, std::uint32_t nq, const key_segment* segs, std::uint32_t count,

@@ -500,14 +500,19 @@ void check_scores_dense_segments(const kernels::table& t, std::mt19937_64& rng, 
   ASSERT_TRUE(f16 ? t.scores_f16_segments != nullptr : t.scores_f32_segments != nullptr);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (std::uint32_t hd : head_dims)
-    for (std::uint32_t nq : {1u, 3u, 4u, 5u, 8u})
+    for (std::uint32_t nq : {1u, 2u, 3u, 4u, 5u, 6u, 8u, 16u})
       for (std::uint32_t count : {0u, 1u, 2u, 3u, 8u, 16u}) {
-        // Runs of 0..33 tokens (16 most often, as paged blocks), each at a random place in k.
+        // Runs of 0..33 tokens (16 most often, as paged blocks), and now and then one of 64..79,
+        // longer than the kernels' token tile (16 KiB of keys: 64 f16 tokens at head_dim 128),
+        // each at a random place in k.
         std::vector<std::uint32_t> len(count), at(count), offset(count);
         std::size_t k_size = 1, width = 0;
         for (std::uint32_t j = 0; j < count; ++j) {
           const std::uint32_t r = static_cast<std::uint32_t>(rng() % 6);
-          len[j] = r == 0 ? 0u : r <= 2 ? 16u : static_cast<std::uint32_t>(rng() % 34);
+          len[j] = r == 0   ? 0u
+                   : r <= 2 ? 16u
+                   : r == 5 && rng() % 3 == 0 ? static_cast<std::uint32_t>(64 + rng() % 16)
+                                               : static_cast<std::uint32_t>(rng() % 34);
           width += rng() % 3;  // a gap of unused columns before the run's
           offset[j] = static_cast<std::uint32_t>(width);
           width += len[j];
