@@ -234,18 +234,19 @@ bool segments_equal_passes(const float* q, std::uint32_t nq, const key_segment* 
     case 2: segments_nq<2, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
     case 3: segments_nq<3, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
     case 4: segments_nq<4, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
-    default:
-      if constexpr (V::score_queries >= 8) {
-        switch (n) {
-          case 5: segments_nq<5, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
-          case 6: segments_nq<6, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
-          case 7: segments_nq<7, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
-          case 8: segments_nq<8, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
-          default: return false;
-        }
-      }
-      return false;
+    default: break;
   }
+  // Passes of 5 to 8 queries only where V takes them (NEON): no code for them elsewhere.
+  if constexpr (V::score_queries >= 8) {
+    switch (n) {
+      case 5: segments_nq<5, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+      case 6: segments_nq<6, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+      case 7: segments_nq<7, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+      case 8: segments_nq<8, HD, Held, K>(q, passes, segs, count, head_dim, out, out_stride, tile, pf); return true;
+      default: break;
+    }
+  }
+  return false;
 }
 
 // The scores of one head over segs[0, count), each segment as one scores_f16 / scores_f32 call
