@@ -180,6 +180,8 @@ struct cursor {
 };
 
 // One call's shared, read-only state.
+struct uniform_tile;
+
 struct call {
   const kernels::table* kt;
   detail::softmax_tile_fn softmax;
@@ -202,6 +204,7 @@ struct call {
                        const detail::value_segment* segs, std::uint32_t count, std::uint32_t head_dim, float* acc,
                        kernels::prefetch_region pf);
   detail::value_segment* segments;  // [worker][tile] scratch for it
+  uniform_tile* tiles;              // [worker]: run_heads' head-major tiles
   bool last_parts_first;            // a paged batch's parts (split_tasks' target): see run_task
   std::uint32_t run_target;         // a batch read head by head: tokens a task (heads_per_run), or 0
 };
@@ -614,6 +617,77 @@ void score_head_parts(const call& c, const layer_view& view, const tile_part* pa
     if (parts[j].later) score_part(c, view.chunks[parts[j].ci], h, parts[j].off, parts[j].n, qf, s + done, nth_piece(next, j));
 }
 
+// A head-major tile (run_heads) whose parts are all dense keys scored head after head, of one
+// key format, one dense value format and one pair of head strides (a paged cache's blocks): its
+// key and value rows of kv head ha, as score and value segments and as prefetch pieces, gathered
+// once a tile. Every other head's lie at a fixed offset from them (rows_of), so that a head's
+// calls take its arrays from a copy that adds the offset, where they used to be worked out from
+// the chunks head after head: four times over the parts a head (score_head_parts, head_keys,
+// head_values, accumulate_tile). In-process alternation on the Zen 5 VM (paged f16, 16-token
+// blocks, 8 kv heads x 128, 32 queries): 1.01-1.05x at 4k and 32k tokens, 1 and 2 threads, against
+// the arrays worked out head by head (8 queries 1.05-1.06x, 64 queries 1.01x).
+// (measurements: bench/PERFORMANCE.md, session 70)
+// One a worker, in the workspace (call::tiles; 28 KB, more than a thread's stack should hold).
+// The arrays are left uninitialized (the anonymous unions; uniform_rows sets what a tile uses).
+struct uniform_tile {
+  format kf, vf;
+  std::size_t k_stride, v_stride;  // bytes between heads
+  union {
+    kernels::key_segment keys[max_tile];
+  };
+  union {
+    kernels::prefetch_region key_pieces[max_tile];
+  };
+  union {
+    detail::value_segment values[max_tile];
+  };
+  union {
+    kernels::prefetch_region value_pieces[max_tile];
+  };
+  union {
+    kernels::key_segment shifted_keys[max_tile];  // another head's keys (rows_of)
+  };
+  uniform_tile() {}  // NOLINT: leaves the arrays uninitialized
+};
+
+// Whether the tile's parts[0, count) (count >= 1) are such a tile; if so, sets u up for head ha.
+bool uniform_rows(const layer_view& view, const tile_part* parts, std::uint32_t count, std::uint32_t ha,
+                  std::uint32_t hd, uniform_tile& u) {
+  const chunk& c0 = view.chunks[parts[0].ci];
+  if (c0.k_format == format::q4 || c0.v_format == format::q4) return false;
+  u.kf = c0.k_format;
+  u.vf = c0.v_format;
+  u.k_stride = c0.k_head_stride;
+  u.v_stride = c0.v_head_stride;
+  const std::size_t krow = hd * dense_element_bytes(u.kf), vrow = hd * dense_element_bytes(u.vf);
+  for (std::uint32_t j = 0, done = 0; j < count; done += parts[j].n, ++j) {
+    const chunk& ch = view.chunks[parts[j].ci];
+    if (!parts[j].later || ch.k_format != u.kf || ch.v_format != u.vf || ch.k_head_stride != u.k_stride ||
+        ch.v_head_stride != u.v_stride)
+      return false;
+    const std::byte* k = ch.k_head(ha) + parts[j].off * krow;
+    const std::byte* v = ch.v_head(ha) + parts[j].off * vrow;
+    u.keys[j] = {k, parts[j].n, done};
+    u.key_pieces[j] = {k, parts[j].n * krow};
+    u.values[j] = {v, parts[j].n, done};
+    u.value_pieces[j] = {v, parts[j].n * vrow};
+  }
+  return true;
+}
+
+// from[0, count) with every pointer `shift` bytes on, into to (or from itself where shift is 0).
+template <class T>
+const T* rows_of(const T* from, std::uint32_t count, std::size_t shift, T* to) {
+  if (shift == 0) return from;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    to[j] = from[j];
+    if constexpr (std::is_same_v<T, kernels::prefetch_region>) to[j].p = static_cast<const std::byte*>(from[j].p) + shift;
+    else if constexpr (std::is_same_v<T, kernels::key_segment>) to[j].k = static_cast<const std::byte*>(from[j].k) + shift;
+    else to[j].v = static_cast<const std::byte*>(from[j].v) + shift;
+  }
+  return to;
+}
+
 // acc += weights s times the values of the tile's `filled` tokens, which start at token `off` of
 // chunk ci, kv head h. With fused_values and one dense value format over the tile, the sum over
 // all the tile's chunks is one call that keeps its accumulators in registers. Where `then` is set
@@ -769,11 +843,13 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
   tile_part parts[max_tile];                 // the tile's chunks with tokens
   kernels::prefetch_region pieces[max_tile];  // a region of pieces (head_values, head_keys)
   kernels::prefetch_region next_pieces[max_tile];  // head_major: the next tile's first head's keys
+  uniform_tile& ut = c.tiles[worker];              // head_major: a uniform tile's rows (uniform_rows)
   // Cursor: chunk ci, token offset off.
   std::uint32_t ci = b.ci, off = b.off;
   while (ci < end) {
     std::uint32_t filled = 0, parts_in = 0;  // tokens and parts[0, parts_in) of the tile
     std::uint32_t lead = 1;                  // heads whose values the tile's last score call prefetches
+    bool uniform = false;                    // head_major over a uniform_tile (ut)
     for (; ci < end && filled < limit; ++ci, off = 0) {
       const chunk& ch = view.chunks[ci];
       const std::uint32_t ch_tokens = range.tokens_of(ci);  // Q4 key chunks are never split: ch.tokens
@@ -895,11 +971,24 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
     }
     if (filled == 0) break;  // only empty chunks were left
     if (head_major) {
-      // Each head's keys over the tile's parts, head after head (score_head_parts); head h's
-      // calls prefetch the next head's keys over the same parts, the last head's the first
-      // head's values.
+      // Each head's keys over the tile's parts, head after head (one scores_*_segments call a
+      // head over a uniform tile, uniform_rows; else score_head_parts); head h's calls prefetch
+      // the next head's keys over the same parts, the last head's the first head's values.
       lead = 1;
-      for (std::uint32_t h = ha; h < hb; ++h) {
+      const format kf = view.chunks[parts[0].ci].k_format;
+      const auto segments = kf == format::f16   ? c.kt->scores_f16_segments
+                            : kf == format::f32 ? c.kt->scores_f32_segments
+                                                : nullptr;
+      uniform = segments != nullptr && uniform_rows(view, parts, parts_in, ha, hd, ut);
+      for (std::uint32_t h = ha; h < hb && uniform; ++h) {
+        const head_state hs = st(h);
+        const std::size_t shift = (h - ha) * ut.k_stride;
+        const kernels::prefetch_region next =
+            h + 1 < hb ? pieces_region(rows_of(ut.key_pieces, parts_in, shift + ut.k_stride, pieces), parts_in)
+                       : pieces_region(ut.value_pieces, parts_in);
+        segments(hs.qf, g, rows_of(ut.keys, parts_in, shift, ut.shifted_keys), parts_in, hd, hs.s, tile, next);
+      }
+      for (std::uint32_t h = ha; h < hb && !uniform; ++h) {
         const head_state hs = st(h);
         const kernels::prefetch_region next = h + 1 < hb ? head_keys(view, parts, parts_in, h + 1, hd, pieces)
                                                          : head_values(view, parts, parts_in, ha, ha + 1, hd, pieces);
@@ -928,6 +1017,22 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         t += nn;
       }
       if (m > 0) next_keys = pieces_region(next_pieces, m);
+    }
+    if (uniform && c.fused_values != nullptr) {
+      // The value call of head h prefetches head h + 1's values, the last the next tile's keys.
+      detail::value_segment* vsegs = c.segments + static_cast<std::size_t>(worker) * tile;
+      for (std::uint32_t h = ha; h < hb; ++h) {
+        const head_state hs = st(h);
+        c.softmax(hs.s, tile, filled, g, hd, hs.run_max, hs.run_sum, hs.acc);
+        const std::size_t shift = (h - ha) * ut.v_stride;
+        const kernels::prefetch_region next =
+            h + 1 < hb ? pieces_region(rows_of(ut.value_pieces, parts_in, shift + ut.v_stride, pieces), parts_in)
+                       : next_keys;
+        if (!c.fused_values(ut.vf == format::f16, hs.s, tile, g, rows_of(ut.values, parts_in, shift, vsegs), parts_in,
+                            hd, hs.acc, next))
+          accumulate_tile(c, range, h, parts[0].ci, parts[0].off, filled, hs.s, hs.acc, worker, pf, &next);
+      }
+      continue;
     }
     for (std::uint32_t h = ha; h < hb; ++h) {
       const head_state hs = st(h);
@@ -1294,6 +1399,8 @@ struct attention_workspace::impl {
   std::size_t scratch_floats = 0;
   aligned_array<detail::value_segment> segments;  // [worker][tile]
   std::size_t segment_count = 0;
+  aligned_array<uniform_tile> tiles;  // [worker]
+  std::size_t tile_count = 0;
   aligned_array<float> partial;  // split sequences: [sequence][part][kv head][partial_floats]
   std::size_t partial_count = 0;
   aligned_array<cursor> bounds;  // split sequences: [sequence][parts + 1]
@@ -1455,7 +1562,7 @@ attention_workspace& attention_workspace::operator=(attention_workspace&&) noexc
 std::size_t attention_workspace::scratch_bytes() const noexcept {
   if (!impl_) return 0;
   return impl_->scratch_floats * sizeof(float) + impl_->segment_count * sizeof(detail::value_segment) +
-         impl_->partial_count * sizeof(float) + impl_->bound_count * sizeof(cursor);
+         impl_->tile_count * sizeof(uniform_tile) + impl_->partial_count * sizeof(float) + impl_->bound_count * sizeof(cursor);
 }
 
 result<void> attention_workspace::reserve(const attention_params& p) {
@@ -1472,6 +1579,7 @@ result<void> attention_workspace::reserve(const attention_params& p) {
   KVCACHE_TRY(grow(w.scratch, w.scratch_floats, per * workers - worker_gap_floats, "attend: workspace scratch"));
   KVCACHE_TRY(grow(w.segments, w.segment_count, static_cast<std::size_t>(max_tile) * workers,
                    "attend: workspace segments"));
+  KVCACHE_TRY(grow(w.tiles, w.tile_count, workers, "attend: workspace tiles"));
   // Split sequences: parts * sequences partial results, at most max_parts.
   const std::size_t parts = max_parts(workers);
   KVCACHE_TRY(grow(w.partial, w.partial_count, parts * p.kv_heads * partial_floats(p.q_heads / p.kv_heads, p.head_dim),
@@ -1539,7 +1647,7 @@ result<void> attend(const attention_params& p, std::span<const layer_view> views
   const call c{&kt, softmax, views.data(), q.data(), out.data(), p.kv_heads, p.head_dim, group, max_tile,
                hpt, tasks_per_seq, split.parts, static_cast<std::uint32_t>(views.size()), bounds, ws.impl_->partial.get(), scale * log2e,
                ws.impl_->scratch.get(), worker_stride(group, p.head_dim, hpt), worker_floats(group, p.head_dim),
-               fused_values, ws.impl_->segments.get(), split.target != 0, split.run_target};
+               fused_values, ws.impl_->segments.get(), ws.impl_->tiles.get(), split.target != 0, split.run_target};
   const parallel_for::task_fn fn = [](void* ctx, std::size_t i, unsigned worker) {
     run_task(*static_cast<const call*>(ctx), i, worker);
   };

@@ -258,8 +258,11 @@ struct shape {
 // paged144_f16: blocks large enough to be read head by head at any head_dim, in tiles that
 // straddle block ends.
 // small_ragged: chunks of 0 to 24 tokens, read all heads together and scored head after head
-// (head_major in attend.cpp): in half the views all keys f16 (one scores_f16_segments call a head
-// over runs of ragged lengths), in the others f16 and f32 keys mixed (one score call a chunk).
+// (head_major in attend.cpp). In a third of the views every chunk has one capacity and one format
+// pair, f16 or f32 (a uniform_tile: every head's rows at a fixed offset from the first head's, one
+// scores_*_segments call and one fused value call a head over runs of ragged lengths); in a third
+// all keys f16 with ragged capacities and mixed value formats (one scores_f16_segments call a head,
+// values chunk by chunk); in the rest f16 and f32 keys mixed (one score call a chunk).
 enum class pattern {
   contiguous_f32, contiguous_f16, paged16_f16, paged32_f32, paged80_f16, paged144_f16, two_tier, q4_only, mixed,
   small_ragged
@@ -317,12 +320,18 @@ std::vector<chunk_spec> chunking(pattern p, std::uint32_t n, std::mt19937& rng) 
       break;
     }
     case pattern::small_ragged: {
-      const bool mix = rng() % 2 == 0;
+      const auto mode = static_cast<unsigned>(rng() % 3);  // 0: uniform, 1: f16 keys, 2: keys mixed
+      const bool mix = mode == 2;
+      const format one = rng() % 2 == 0 ? format::f32 : format::f16;
       for (std::uint32_t t = 0; t < n;) {
         const std::uint32_t len = std::min<std::uint32_t>(n - t, static_cast<std::uint32_t>(rng() % 25));
-        const format kf = mix && rng() % 2 == 0 ? format::f32 : format::f16;
-        const format vf = rng() % 2 == 0 ? format::f32 : format::f16;
-        r.push_back({len, kf, vf, len + static_cast<std::uint32_t>(rng() % 3)});
+        if (mode == 0) {
+          r.push_back({len, one, one, 26});
+        } else {
+          const format kf = mix && rng() % 2 == 0 ? format::f32 : format::f16;
+          const format vf = rng() % 2 == 0 ? format::f32 : format::f16;
+          r.push_back({len, kf, vf, len + static_cast<std::uint32_t>(rng() % 3)});
+        }
         t += len;
       }
       if (n == 0) r.push_back({0, format::f16, format::f16, 0});
