@@ -65,8 +65,13 @@ struct V {
 
   // Transposing reduction tree: four levels of (shuffle, shuffle, op). Lane 4c + l of the result
   // combines input 4l + c, so the inputs are fed in that order to get lane j = op over v[j].
+  // Always inlined: GCC 12 called it out of line from the score kernels (scores_nq), which then
+  // stored their 16 accumulators to memory for it to load, and spent 14-19% of a paged or
+  // contiguous f16 step in it; inlined, 1.04-1.08x paged and 1.06x contiguous (4k tokens in the
+  // L3, 1 thread; from memory paged 1.04-1.05x, contiguous 0.99x with 1 thread and 1.06x with 2).
+  // (measurements: bench/PERFORMANCE.md, session 70)
   template <class Op>
-  static vf tree(const vf* v, Op op) {
+  [[gnu::always_inline]] static vf tree(const vf* v, Op op) {
     vf u[16];
     for (unsigned m = 0; m < 16; ++m) u[m] = v[(m % 4) * 4 + m / 4];
     vf a[8], b[4], c[2];
