@@ -65,7 +65,7 @@ struct V {
 
   // Transposing reduction tree: four levels of (shuffle, shuffle, op). Lane 4c + l of the result
   // combines input 4l + c, so the inputs are fed in that order to get lane j = op over v[j].
-  // Always inlined: GCC 12 called it out of line from the score kernels (scores_nq), which then
+  // Always inlined, as the reductions below: GCC 12 called it out of line from the score kernels (scores_nq), which then
   // stored their 16 accumulators to memory for it to load, and spent 14-19% of a paged or
   // contiguous f16 step in it; inlined, 1.04-1.08x paged and 1.06x contiguous (4k tokens in the
   // L3, 1 thread; from memory paged 1.04-1.05x, contiguous 0.99x with 1 thread and 1.06x with 2).
@@ -87,9 +87,15 @@ struct V {
     return op(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
               _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  static vf reduce(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_add_ps(a, b); }); }
-  static vf reduce_min(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_min_ps(a, b); }); }
-  static vf reduce_max(const vf* v) { return tree(v, [](vf a, vf b) { return _mm512_max_ps(a, b); }); }
+  [[gnu::always_inline]] static vf reduce(const vf* v) {
+    return tree(v, [](vf a, vf b) { return _mm512_add_ps(a, b); });
+  }
+  [[gnu::always_inline]] static vf reduce_min(const vf* v) {
+    return tree(v, [](vf a, vf b) { return _mm512_min_ps(a, b); });
+  }
+  [[gnu::always_inline]] static vf reduce_max(const vf* v) {
+    return tree(v, [](vf a, vf b) { return _mm512_max_ps(a, b); });
+  }
 
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm512_min_ps(_mm512_max_ps(c, zero()), set1(15.0f)); }
