@@ -26,8 +26,12 @@ inline void store_quad8(float* p, __m256 x, unsigned g) {
 // on the other. Blends run on every vector port, shuffles on fewer: measured on Zen 4 inside the
 // dense score kernel (16 accumulators), 35-36 cycles per token and query quad against 37 for the
 // two-shuffle tree (and 42-44 with 512-bit accumulators and their four-level tree).
+// Always inlined, as the reductions built on it (V::reduce of kernels_avx2.cpp and of
+// kernels_avx512.cpp's ymm): GCC 12 called it out of line from the score kernels, which then
+// stored their accumulators to memory for it to load.
+// (measurements: bench/PERFORMANCE.md, session 70)
 template <class Op>
-inline __m256 tree8(const __m256* v, Op op) {
+[[gnu::always_inline]] inline __m256 tree8(const __m256* v, Op op) {
   // Output lane j of the folds below comes from input order[j]: the order is its own inverse.
   constexpr unsigned order[8] = {0, 4, 2, 6, 1, 5, 3, 7};
   __m256 a[4], b[2];

@@ -77,9 +77,15 @@ struct V {
   static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
   static float hsum(vf x) { return hsum8(x); }
   // Transposing reduction trees (avx2_horizontal.inl): lane j = op over v[j].
-  static vf reduce(const vf* v) { return tree8(v, [](vf a, vf b) { return _mm256_add_ps(a, b); }); }
-  static vf reduce_min(const vf* v) { return tree8(v, [](vf a, vf b) { return _mm256_min_ps(a, b); }); }
-  static vf reduce_max(const vf* v) { return tree8(v, [](vf a, vf b) { return _mm256_max_ps(a, b); }); }
+  [[gnu::always_inline]] static vf reduce(const vf* v) {
+    return tree8(v, [](vf a, vf b) { return _mm256_add_ps(a, b); });
+  }
+  [[gnu::always_inline]] static vf reduce_min(const vf* v) {
+    return tree8(v, [](vf a, vf b) { return _mm256_min_ps(a, b); });
+  }
+  [[gnu::always_inline]] static vf reduce_max(const vf* v) {
+    return tree8(v, [](vf a, vf b) { return _mm256_max_ps(a, b); });
+  }
 
   // max(c, 0) returns its second operand 0 when c is NaN (x86 semantics), as the scalar clamp.
   static vf clamp15(vf c) { return _mm256_min_ps(_mm256_max_ps(c, zero()), set1(15.0f)); }

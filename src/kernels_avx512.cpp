@@ -178,7 +178,9 @@ struct V {
   static void store4(float* p, vf x, unsigned g) { store_quad8(p, x, g); }
   static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
   static float hsum(vf x) { return hsum8(x); }
-  static vf reduce(const vf* v) { return tree8(v, [](vf a, vf b) { return _mm256_add_ps(a, b); }); }
+  [[gnu::always_inline]] static vf reduce(const vf* v) {
+    return tree8(v, [](vf a, vf b) { return _mm256_add_ps(a, b); });
+  }
 };
 using vf = V::vf;
 constexpr unsigned W = V::W;
