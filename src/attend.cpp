@@ -44,19 +44,10 @@ constexpr std::uint32_t max_tile = 256;
 
 // Tokens per tile of a task that reads a view head by head, at most: 256 up to head_dim 128, 128
 // above. On the Zen 5 VM (contiguous f16) 256-token tiles measured 1.00-1.09x as fast as 128, but
-// 0.98x at head_dim 256, which keeps 128.
+// 0.98x at head_dim 256, which keeps 128. Over a view of several chunks (paged blocks of 128
+// tokens or more, the two-tier tail) no tile spans two chunks (tiling::within_chunks).
 // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", head_tile)
 std::uint32_t head_tile(std::uint32_t hd) { return std::clamp<std::uint32_t>(32768 / hd / 32 * 32, 128, max_tile); }
-
-// Tokens per tile of a task that reads a view head by head (large chunks): at most half a chunk,
-// so that a tile's rows lie in one chunk or two, and the rows a kernel prefetches (the tile's
-// successor in its chunk, or the first rows of the following chunk: ahead_rows) are the ones read
-// next; 64-token paged blocks read head by head ran at 0.46x the speed with 128-token tiles.
-std::uint32_t large_tile(const layer_view& view, std::uint32_t hd) {
-  if (view.count <= 1) return head_tile(hd);
-  const std::uint32_t half = view.tokens / view.count / 2;
-  return std::clamp<std::uint32_t>(half / 32 * 32, 32, head_tile(hd));
-}
 
 // Average tokens per chunk from which a view is read head by head (see run_task).
 constexpr std::uint32_t large_chunk_tokens = 128;
@@ -796,6 +787,22 @@ void normalise(const float* __restrict acc, const float* __restrict sum, std::ui
 struct pass_ends {
   bool start = true, finish = true;
 };
+// A task's tiles: at most `limit` tokens each; within_chunks: none spans two chunks, so a chunk's
+// tiles start at its first token. A task that reads a view of several chunks head by head (run_task)
+// tiles so: each kernel call prefetches the rows that follow its own, as many (ahead_rows), which at
+// a chunk's end are the next chunk's first rows, and those are then the whole next tile. Before
+// (session 72), tiles of half a chunk (the average chunk's, at least 32 tokens) served the same
+// end, at twice the tiles a chunk and half the prefetch distance; with tiles that span chunks (a
+// split sequence's part starting inside one) a call prefetched only part of the next tile. Zen 4 VM
+// (f16, 8 kv heads x 128, 32 queries; in-process alternation against the old tiles): 256-token
+// blocks 1.09-1.10x at 32k with 1 thread (1.02-1.05x with 2), 1.08x at 4k; 128-token blocks
+// 1.03-1.04x at 32k, 1.04-1.07x at 4k; 512-token blocks, the two-tier cache (its tail now one
+// tile a head) and 16- and 64-token blocks (read all heads together: untouched) 0.99-1.01x.
+// (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", tiling)
+struct tiling {
+  std::uint32_t limit;
+  bool within_chunks = false;
+};
 // Prefetch a piece ahead (`ahead` == piece_ahead): run_task's tasks that read paged blocks all
 // heads together. Each kernel call prefetches, spread over its rows, the rows the task reads next,
 // in the order it reads them, as many bytes as the call reads (so every line goes out about one
@@ -815,9 +822,9 @@ struct pass_ends {
 // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", piece_ahead)
 constexpr std::uint32_t piece_ahead = 0;
 void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t hb, float* base, unsigned worker,
-               cursor b, cursor e, float* partial, std::uint32_t limit, std::uint32_t next_head, std::uint32_t ahead,
+               cursor b, cursor e, float* partial, tiling tiles, std::uint32_t next_head, std::uint32_t ahead,
                pass_ends ends = {}) {
-  const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile;
+  const std::uint32_t g = c.group, hd = c.head_dim, tile = c.tile, limit = tiles.limit;
   const std::size_t gd = static_cast<std::size_t>(g) * hd;
   const layer_view& view = c.views[seq];
   const task_range range(view, b, e, next_head);
@@ -968,6 +975,11 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
         off += n;
         break;
       }
+      if (tiles.within_chunks) {  // the chunk's last tile
+        ++ci;
+        off = 0;
+        break;
+      }
     }
     if (filled == 0) break;  // only empty chunks were left
     if (head_major) {
@@ -1066,12 +1078,12 @@ void run_heads(const call& c, std::size_t seq, std::uint32_t ha, std::uint32_t h
 }
 
 // Whether a task reads the view head by head: where its chunks are large (a contiguous cache; paged
-// blocks of a whole tile or more, whose ends prefetch the following block's rows), where the
-// prefetch stream cannot take them (prefetchable: 64-token blocks of f32 heads wider than 128 or
-// f16 heads wider than 256), or where a chunk's kv heads lie apart rather than side by side (the
-// two-tier cache, whose Q4 store run_task then reads slab by slab, all heads together, and its
-// tail head by head: store_end). Small chunks with their heads side by
-// side (paged blocks of 16 to 64 tokens) are read all heads together, so that each chunk is one
+// blocks of 128 tokens or more, tiled block by block (tiling), whose ends prefetch the following
+// block's rows), where the prefetch stream cannot take them (prefetchable: 64-token blocks of f32
+// heads wider than 128 or f16 heads wider than 256), or where a chunk's kv heads lie apart rather
+// than side by side (the two-tier cache, whose Q4 store run_task then reads slab by slab, all heads
+// together, and its tail head by head: store_end). Small chunks with their heads side by side
+// (paged blocks of 16 to 64 tokens) are read all heads together, so that each chunk is one
 // stream: for 64-token blocks (read head by head until session 33) this measured 1.20x faster with
 // 1 thread and 1.14x with 2 on the Zen 5 VM (f16, 32k tokens).
 // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", head_by_head)
@@ -1158,23 +1170,23 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
   if (head_by_head(view, c.head_dim)) {
-    const std::uint32_t limit = large_tile(view, c.head_dim);
+    const tiling tiles{head_tile(c.head_dim), view.count > 1};
     // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
     // rest (its FP16 tail) head by head, each head's state kept in the scratch in between; without
     // such groups every head in turn over the whole range, in one state's place.
     const cursor q = h1 - h0 > 1 ? store_end(c, view, b, e) : b;
     const bool store = q.ci > b.ci;
-    if (store) run_heads(c, seq, h0, h1, base, worker, b, q, partial, limit, no_head, prefetch_tokens, {true, false});
+    if (store) run_heads(c, seq, h0, h1, base, worker, b, q, partial, tiles, no_head, prefetch_tokens, {true, false});
     for (std::uint32_t h = h0; h < h1; ++h)
       run_heads(c, seq, h, h + 1, store ? base + (h - h0) * c.head_floats : base, worker, q, e,
-                partial == nullptr ? nullptr : partial + (h - h0) * pfl, limit, h + 1 < h1 ? h + 1 : no_head,
+                partial == nullptr ? nullptr : partial + (h - h0) * pfl, tiles, h + 1 < h1 ? h + 1 : no_head,
                 prefetch_tokens, {!store, true});
   } else {
     // A piece ahead where the task scores a block's heads in one call (two heads or more), else
     // the prefetch stream half a tile ahead.
     const bool pieced = h1 - h0 >= 2;
     const std::uint32_t tile = all_heads_tile(c.head_dim, pieced);
-    run_heads(c, seq, h0, h1, base, worker, b, e, partial, tile, no_head, pieced ? piece_ahead : tile / 2);
+    run_heads(c, seq, h0, h1, base, worker, b, e, partial, {tile}, no_head, pieced ? piece_ahead : tile / 2);
   }
 }
 
