@@ -789,8 +789,11 @@ struct pass_ends {
 };
 // A task's tiles: at most `limit` tokens each; within_chunks: none spans two chunks, so a chunk's
 // tiles start at its first token. A task that reads a view of several chunks head by head (run_task)
-// tiles so: each kernel call prefetches the rows that follow its own, as many (ahead_rows), which at
-// a chunk's end are the next chunk's first rows, and those are then the whole next tile. Before
+// tiles so where its chunks average min_chunk_tile tokens or more: each kernel call prefetches the
+// rows that follow its own, as many (ahead_rows), which at a chunk's end are the next chunk's first
+// rows, and those are then the whole next tile. Shorter chunks (a view an engine builds of its own
+// short runs, heads apart) go in tiles of min_chunk_tile tokens across them, as before: a tile a
+// chunk would pay a tile's fixed costs every few tokens. Before
 // (session 72), tiles of half a chunk (the average chunk's, at least 32 tokens) served the same
 // end, at twice the tiles a chunk and half the prefetch distance; with tiles that span chunks (a
 // split sequence's part starting inside one) a call prefetched only part of the next tile. Zen 4 VM
@@ -803,6 +806,7 @@ struct tiling {
   std::uint32_t limit;
   bool within_chunks = false;
 };
+constexpr std::uint32_t min_chunk_tile = 32;
 // Prefetch a piece ahead (`ahead` == piece_ahead): run_task's tasks that read paged blocks all
 // heads together. Each kernel call prefetches, spread over its rows, the rows the task reads next,
 // in the order it reads them, as many bytes as the call reads (so every line goes out about one
@@ -1170,7 +1174,8 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
   if (head_by_head(view, c.head_dim)) {
-    const tiling tiles{head_tile(c.head_dim), view.count > 1};
+    const bool short_chunks = view.count > 1 && view.tokens / view.count < min_chunk_tile;
+    const tiling tiles = short_chunks ? tiling{min_chunk_tile} : tiling{head_tile(c.head_dim), view.count > 1};
     // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
     // rest (its FP16 tail) head by head, each head's state kept in the scratch in between; without
     // such groups every head in turn over the whole range, in one state's place.
