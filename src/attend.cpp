@@ -788,19 +788,19 @@ struct pass_ends {
   bool start = true, finish = true;
 };
 // A task's tiles: at most `limit` tokens each; within_chunks: none spans two chunks, so a chunk's
-// tiles start at its first token. A task that reads a view of several chunks head by head (run_task)
-// tiles so where its chunks average min_chunk_tile tokens or more: each kernel call prefetches the
-// rows that follow its own, as many (ahead_rows), which at a chunk's end are the next chunk's first
-// rows, and those are then the whole next tile. Shorter chunks (a view an engine builds of its own
-// short runs, heads apart) go in tiles of min_chunk_tile tokens across them, as before: a tile a
-// chunk would pay a tile's fixed costs every few tokens. Before
-// (session 72), tiles of half a chunk (the average chunk's, at least 32 tokens) served the same
-// end, at twice the tiles a chunk and half the prefetch distance; with tiles that span chunks (a
-// split sequence's part starting inside one) a call prefetched only part of the next tile. Zen 4 VM
-// (f16, 8 kv heads x 128, 32 queries; in-process alternation against the old tiles): 256-token
-// blocks 1.09-1.10x at 32k with 1 thread (1.02-1.05x with 2), 1.08x at 4k; 128-token blocks
-// 1.03-1.04x at 32k, 1.04-1.07x at 4k; 512-token blocks, the two-tier cache (its tail now one
-// tile a head) and 16- and 64-token blocks (read all heads together: untouched) 0.99-1.01x.
+// tiles start at its first token. A task that reads a view of several chunks head by head
+// (run_task) tiles so where its chunks average min_chunk_tile tokens or more: each kernel call
+// prefetches the rows that follow its own, as many (ahead_rows), which at a chunk's end are the
+// next chunk's first rows, and those are then the whole next tile. Shorter chunks (a view an
+// engine builds of its own short runs, heads apart) go in tiles of min_chunk_tile tokens across
+// them, as before: a tile a chunk would pay a tile's fixed costs every few tokens. Before session
+// 72, tiles of half a chunk (the average chunk's, at least 32 tokens) served the same end, at
+// twice the tiles a chunk and half the prefetch distance; tiles that spanned chunks (a split
+// sequence's part starting inside one) prefetched only part of the next tile. Zen 4 VM (f16, 8 kv
+// heads x 128, 32 queries; in-process alternation against the old tiles): 256-token blocks
+// 1.09-1.10x at 32k with 1 thread (1.02-1.05x with 2), 1.08x at 4k; 128-token blocks 1.03-1.04x
+// at 32k, 1.04-1.07x at 4k; 512-token blocks, the two-tier cache (its tail now one tile a head)
+// and 16- and 64-token blocks (read all heads together: untouched) 0.99-1.01x.
 // (measurements: bench/PERFORMANCE.md, "Source notes: attend.cpp", tiling)
 struct tiling {
   std::uint32_t limit;
