@@ -807,6 +807,12 @@ struct tiling {
   bool within_chunks = false;
 };
 constexpr std::uint32_t min_chunk_tile = 32;
+
+// The tiles of a task that reads `view` head by head (see tiling).
+tiling head_tiles(const layer_view& view, std::uint32_t hd) {
+  if (view.count > 1 && view.tokens / view.count < min_chunk_tile) return {min_chunk_tile};
+  return {head_tile(hd), view.count > 1};
+}
 // Prefetch a piece ahead (`ahead` == piece_ahead): run_task's tasks that read paged blocks all
 // heads together. Each kernel call prefetches, spread over its rows, the rows the task reads next,
 // in the order it reads them, as many bytes as the call reads (so every line goes out about one
@@ -1174,8 +1180,7 @@ void run_task(const call& c, std::size_t task, unsigned worker) {
     partial = c.partial + ((seq * c.parts + part) * c.kv_heads + h0) * pfl;
   }
   if (head_by_head(view, c.head_dim)) {
-    const bool short_chunks = view.count > 1 && view.tokens / view.count < min_chunk_tile;
-    const tiling tiles = short_chunks ? tiling{min_chunk_tile} : tiling{head_tile(c.head_dim), view.count > 1};
+    const tiling tiles = head_tiles(view, c.head_dim);
     // A two-tier store's Q4 groups with all the task's heads (run_heads: slab by slab), then the
     // rest (its FP16 tail) head by head, each head's state kept in the scratch in between; without
     // such groups every head in turn over the whole range, in one state's place.
