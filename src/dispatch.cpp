@@ -161,6 +161,7 @@ result<void> force_isa(isa i) {
 
 namespace kernels {
 const bool prefetch_to_l1 = zen5_or_later();
+const bool pull_q4_codes = amd_family() == 0u;
 bool splits_512bit_operations() noexcept { return amd_family() == 0x19u; }
 
 const table& active() noexcept { return *current().load(std::memory_order_acquire); }

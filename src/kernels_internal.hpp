@@ -38,6 +38,14 @@ namespace scalar { const table& get() noexcept; }
 // kernels, see row_prefetch.inl.
 extern const bool prefetch_to_l1;
 
+// Whether the AVX-512 fused Q4 step, where its prefetches go to L2, also pulls each tile's key and
+// value codes from L2 into L1 before its dot products read them (q4_int8_avx512.inl, pull_part):
+// true on CPUs that are not AMD's, false on AMD (set once at start-up, dispatch.cpp; false until
+// then). The next tile's scales and minimums are pulled on every CPU whose prefetches go to L2.
+// On an Intel VM the code pull measured 1.01-1.08x (session 50); on Zen 4 the step without it ran
+// 1.09-1.12x at 32k and 4k with 1 thread, 1.11-1.13x at 32k with 2 (session 73), so it is off there.
+extern const bool pull_q4_codes;
+
 // Prefetches the line at `at` for reading, into L1 (prefetcht0) where `l1` (prefetch_to_l1, or a
 // copy a loop keeps in a register), else into L2 (prefetcht1): the one place every software
 // prefetch stream picks its level. Static: ISA files include this header (see the top).

@@ -53,11 +53,13 @@
 // mirror below), so that every line goes out one tile before it is read and in the order it is
 // read (attend over a two-tier cache at 32k, 1 thread, Zen 5: 1.11x against the next tile's lines
 // handed over as one region in address order); every one of these prefetches is needed, and none
-// earlier or twice. Where they go to L2 (Intel: mirror), heads of 64 to 128 channels also pull
-// lines from L2 into L1 (pull_part): the first pass pulls the tile's key and value codes, a part
-// with each chunk of 16 channels, and before the value pass the next tile's scales and minimums,
-// which its first pass reads first, so that the dot products' loads are L1 hits (median 1.08x at
-// head_dim 128, 32k, 1 thread, on an Intel VM; at 32 and 256 channels the pull was slower).
+// earlier or twice. Where they go to L2 (Intel, Zen 4: mirror), heads of 64 to 128 channels also
+// pull lines from L2 into L1 (pull_part): before the value pass the next tile's scales and
+// minimums, which its first pass reads first, and on Intel (pull_q4_codes) in the first pass the
+// tile's key and value codes, a part with each chunk of 16 channels, so that the dot products'
+// loads are L1 hits (median 1.08x at head_dim 128, 32k, 1 thread, on an Intel VM; at 32 and 256
+// channels the pull was slower). On Zen 4 the codes' pull cost more than it gained: without it
+// the step ran 1.09-1.12x (attend over a two-tier cache, 32k and 4k, 1 thread; session 73).
 // Not used: the int8 kernels on 256-bit vectors (q4_int8_avx2.inl; attend 1.7x slower on Cascade
 // Lake), nor the dot products on AMX-INT8 tiles (0.78-0.80x: tiles load from memory, so every
 // group's codes went through vector stores and every result through a tile store).
@@ -737,7 +739,8 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   // in attend over a two-tier cache, session 68).
   assert(pf.step == 0);
   // Heads of 64 to 128 channels pull their lines into L1 where the step prefetches into L2
-  // (pull_part; session 50: 32 and 256 channels ran slower so).
+  // (pull_part; session 50: 32 and 256 channels ran slower so): the next tile's scales and
+  // minimums, and the tile's codes where pull_q4_codes (not on AMD: see this file's header).
   const bool pull = PL != 1 && !prefetch_to_l1 && hd >= 64 && hd <= 128;
   __m512 s[G][NQ][2], mx[4];
   tile_groups<G> tg;
@@ -757,7 +760,7 @@ void attend_nq_hd(const float* q, const q4_group_ref* gr, unsigned hd, float* ru
   column_scales<G> first;  // the first batch of value columns, prepared while the keys wait
   auto prepare = [&] { prepare_columns<G, PL>(tg, hd, 0, nb < value_columns ? nb : value_columns, first); };
   if (hd <= int8_key_channels) {
-    scores_of<NQ, G, HD, PL, false>(q, gr, hd, s, pf, prepare, pull);
+    scores_of<NQ, G, HD, PL, false>(q, gr, hd, s, pf, prepare, pull && pull_q4_codes);
   } else {  // see scores_q4
     prepare();
 #pragma GCC unroll 2
