@@ -39,12 +39,9 @@ namespace scalar { const table& get() noexcept; }
 extern const bool prefetch_to_l1;
 
 // Whether the AVX-512 fused Q4 step, where its prefetches go to L2, also pulls each tile's key and
-// value codes from L2 into L1 before its dot products read them (q4_int8_avx512.inl, pull_part):
-// true on CPUs that are not AMD's, false on AMD (set once at start-up, dispatch.cpp; false until
-// then). The next tile's scales and minimums are pulled on every CPU whose prefetches go to L2.
-// On an Intel VM the code pull measured 1.00-1.08x (session 50); on Zen 4 the step without it ran
-// 1.09-1.12x at 32k and 4k with 1 thread, 1.11-1.13x at 32k with 2 (session 73), so it is off
-// on AMD. (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", file header)
+// value codes from L2 into L1 before its dot products read them (pull_part): true on CPUs that
+// are not AMD's, false on AMD, where it measured slower (why and by how much: the header of
+// q4_int8_avx512.inl). Set once at start-up (dispatch.cpp; false until then).
 extern const bool pull_q4_codes;
 
 // Prefetches the line at `at` for reading, into L1 (prefetcht0) where `l1` (prefetch_to_l1, or a

@@ -242,8 +242,9 @@ __attribute__((noinline)) void key_dots(const std::uint8_t* codes, unsigned quad
 // `between` runs after the first pass, where the horizontal maxima and the divisions that follow
 // leave the vector pipes idle: the caller's work that does not depend on the scores.
 // Each group's ahead group (gr[gi].ahead_k) is prefetched line for line as the group is read (see
-// attend_nq_hd); pf, the separate kernel's region, is spread over the key dots. HD: hd known at
-// compile time (0: not), see attend_nq.
+// attend_nq_hd); pf, the separate kernel's region, is spread over the key dots; pull_codes: the
+// groups' codes are pulled into L1 too (pull_part). HD: hd known at compile time (0: not), see
+// attend_nq.
 // (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", scores_of)
 struct nothing {
   void operator()() const {}
@@ -251,7 +252,7 @@ struct nothing {
 template <unsigned NQ, unsigned G, unsigned HD = 0, int PL = -1, bool Rows = true, class Between = nothing>
 __attribute__((always_inline)) inline void scores_of(const float* q, const q4_group_ref* gr, unsigned hd,
                                                        __m512 (&sc)[G][NQ][2], line_prefetch& pfr,
-                                                       Between between = {}, bool pull = false) {
+                                                       Between between = {}, bool pull_codes = false) {
   if constexpr (HD != 0) hd = HD;
   line_prefetch pf = pfr;
   mirror ahead[G];
@@ -281,7 +282,7 @@ __attribute__((always_inline)) inline void scores_of(const float* q, const q4_gr
         ahead[gi].template line_at<PL>(gr[gi].k + key_scales_at(hd) + 2 * c);
         ahead[gi].template line_at<PL>(gr[gi].k + key_mins_at(hd) + 2 * c);
       }
-      if (PL != 1 && pull) {  // the group's key and value codes into L1, a part a chunk (pull_part)
+      if (PL != 1 && pull_codes) {  // the group's key and value codes into L1, a part a chunk (pull_part)
         const unsigned parts = (hd + 15) / 16;
         pull_part(gr[gi].k, key_channels(hd) / 4, parts, c / 16);
         pull_part(gr[gi].v, 8 * value_blocks(hd), parts, c / 16);
