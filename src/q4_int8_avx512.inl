@@ -145,24 +145,6 @@ __attribute__((always_inline)) inline void pull_part(const std::uint8_t* p, unsi
   for (unsigned r = k * per; r < end; ++r) prefetch_line(reinterpret_cast<std::uintptr_t>(p) + std::uintptr_t{64} * r, true);
 }
 
-// a ^ b where the compiler cannot see it: GCC 12 (Clang too) would fold the xor and an and that
-// follows into one vpternlogd. On Zen 4 vpternlogd runs on FP0 and FP1, vpdpbusd's two pipes,
-// where vpxord, vpandd and shifts run on any of the four: in a loop of vpdpbusd, one vpternlogd
-// each took the loop twice as long, one vpxord or vpandd each no longer. Without the value
-// loop's vpternlogd, attend over a two-tier cache ran a median 1.006x at 32k (0.99-1.02) and
-// 1.007x at 4k from the L3 (1.000-1.015; 1 thread, in-process alternation, session 74). Not
-// measured on Intel, where both forms' logic can go to port 5 and vpdpbusd to port 0.
-// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", xor_apart)
-inline __m512i xor_apart(__m512i a, __m512i b) {
-#if defined(__GNUC__)
-  __m512i r;
-  __asm__("vpxord %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
-  return r;
-#else
-  return _mm512_xor_si512(a, b);
-#endif
-}
-
 inline std::int32_t dword_at(const void* p) {
   std::int32_t x;
   __builtin_memcpy(&x, p, sizeof x);
@@ -459,8 +441,13 @@ struct column_weights {
 // byte j of the quad's four tokens), all G groups into the same integer sums (their weights are on
 // one grid). The codes enter centred and times 16, 16 (c - 8) in -128..112: with y = x ^ 0x88,
 // y & 0xF0 for the high nibbles (channels 16..31) and (y << 4) & 0xF0 for the low ones (channels
-// 0..15): a xor, a shift and two ands, where two vpternlogd and a shift did it before. On Zen 4
-// vpternlogd runs on vpdpbusd's two pipes and the others do not (see xor_apart).
+// 0..15): a xor, a shift and two ands, where a shift and two vpternlogd did it before. On Zen 4
+// vpternlogd runs on FP0 and FP1, vpdpbusd's two pipes, and vpxord, vpandd and shifts on any of
+// the four: in a loop of vpdpbusd one vpternlogd each took the loop twice as long, one vpxord or
+// vpandd each no longer. Without the vpternlogd attend over a two-tier cache ran a median 1.006x
+// at 32k (0.99-1.02) and 1.007x at 4k from the L3 (1.000-1.015; 1 thread, in-process
+// alternation, session 74). Not measured on Intel, where both forms' logic can go to port 5.
+// (measurements: bench/PERFORMANCE.md, "Source notes: q4_int8_avx512.inl", value_columns_of)
 // Weights of query i, column c, group gi at w + i * w_stride + 32 G c + 32 gi; step, base of
 // query i, column c at [i * sb_stride + c].
 // Two columns a call: 4 NQ independent chains of vpdpbusd (latency 4) rather than 2 NQ, and half
@@ -493,7 +480,7 @@ __attribute__((noinline)) void value_columns_of(const tile_groups<G>& tg, std::s
         for (unsigned c = 0; c < NC; ++c) {
           tg.ahead[gi].template line_at<PL>(codes + std::size_t{512} * c + 64 * j);
           const __m512i x = _mm512_loadu_si512(codes + std::size_t{512} * c + 64 * j);
-          const __m512i y = xor_apart(x, flip);
+          const __m512i y = _mm512_xor_si512(x, flip);
           const __m512i lo = _mm512_and_si512(_mm512_slli_epi32(y, 4), nib_hi), hi = _mm512_and_si512(y, nib_hi);
 #pragma GCC unroll 8
           for (unsigned i = 0; i < NQ; ++i) {
